@@ -1,0 +1,76 @@
+"""The `piper` torch.compile backend.
+
+`torch.compile(model, backend="piper", options=strategy)` hands the Dynamo
+graph of `model` here. It is captured as a joint forward/backward graph, run
+through the strategy passes, lowered to this rank's program, compiled task by
+task, and returned as a callable that runs whole training steps.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from .capture import capture
+from .codegen import compile_program
+from .debug import DebugDump
+from .ir import InputRole
+from .options import parse_options
+from .passes import run_passes
+from .prepare import check_prepared
+from .runtime.executor import ProgramExecutor
+from .runtime.step import CompiledStep
+from .sharding.mesh import dp_group_name
+from .sharding.row_shard import sharded_parameter_info
+from .sharding.specs import placement_table
+
+
+def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
+    strategy = parse_options(options)
+    sharded = sum(sharded_parameter_info(t) is not None for t in example_inputs)
+    plain = sum(isinstance(t, nn.Parameter) and sharded_parameter_info(t) is None for t in example_inputs)
+    check_prepared(strategy, sharded, plain)
+
+    dump = DebugDump(strategy.debug_dir, strategy.rank)
+    dump.write("00_dynamo_graph.py", gm.print_readable(print_output=False))
+    dag = capture(gm, example_inputs, strategy, dp_group_name(strategy))
+    dump.write("01_joint_graph.py", dag.joint.print_readable(print_output=False))
+
+    def after_pass(index: int, name: str, dag) -> None:
+        if not dump.enabled:
+            return
+        if dag.tasks:
+            text = "\n".join(f"# ---- task {t.name}\n{t.graph.print_readable(print_output=False)}" for t in dag.tasks)
+        else:
+            text = dag.joint.print_readable(print_output=False)
+        dump.write(f"passes/{index + 2:02d}_{name}.py", text)
+        if name == "propagate_placements":
+            dump.write("placement_table.txt", placement_table(dag.joint.graph))
+
+    dag = run_passes(dag, strategy, after_pass)
+    program = dag.programs[strategy.rank]
+    dump.write("program.txt", program.render())
+    compiled = compile_program(program, strategy.codegen, dump)
+
+    seed = next((i for i in dag.inputs if i.role is InputRole.TANGENT), None)
+    seed_val = dag.placeholders()[seed.name].meta["val"] if seed is not None else None
+    num_user_outputs = len([n for n in gm.graph.find_nodes(op="output")[0].args[0]])
+    return CompiledStep(
+        ProgramExecutor(program, compiled), dag.inputs, dag.outputs,
+        seed_val.shape if seed_val is not None else None,
+        seed_val.dtype if seed_val is not None else None,
+        num_user_outputs,
+    )
+
+
+def register() -> None:
+    """Register `backend="piper"` on import.
+
+    When Dynamo found the `torch_dynamo_backends` entry point first, it registers
+    the backend itself right after importing us, so we must not do it twice.
+    """
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+    if "piper" not in _BACKENDS and "piper" not in _COMPILER_FNS:
+        register_backend(compiler_fn=piper_backend, name="piper")

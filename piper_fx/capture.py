@@ -1,0 +1,138 @@
+"""Capture: Dynamo graph -> joint forward/backward ATen graph with descriptors.
+
+Uses AOTAutograd's `aot_export_joint_with_descriptors`, whose placeholders and
+outputs carry descriptors (PlainAOTInput, TangentAOTInput, GradAOTOutput, ...).
+Dynamo has already lifted parameters and buffers into graph inputs, so their
+meaning comes from the compiled call's example inputs (which are the real
+`nn.Parameter` objects) and from Dynamo's input sources (for buffer names).
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._functorch._aot_autograd import descriptors as aot_desc
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+from .errors import PiperError
+from .ir import GraphInput, GraphOutput, InputRole, OutputRole, TrainingDAG
+from .options import Strategy
+from .sharding.row_shard import sharded_parameter_info
+
+_SOURCE_KEY = re.compile(r"\['([^']+)'\]")
+_CONTAINERS = {"_modules", "_parameters", "_buffers"}
+
+
+def _fqn_from_source(node: fx.Node) -> tuple[str | None, bool]:
+    """Model-relative name of a lifted parameter/buffer, and whether it is a buffer."""
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    name = getattr(source, "name", None)
+    if callable(name):
+        name = name()
+    if not isinstance(name, str):
+        return None, False
+    parts = _SOURCE_KEY.findall(name)
+    attrs = re.findall(r"\.(\w+)\[", name)
+    is_buffer = "_buffers" in attrs
+    # The first key is the argument the module came in as (L['self'] / L['fn']).
+    fqn = ".".join(p for p in parts[1:] if p not in _CONTAINERS)
+    return (fqn or None), is_buffer
+
+
+def _input_role(example: object, is_buffer: bool) -> InputRole:
+    if sharded_parameter_info(example) is not None:
+        return InputRole.PARAM_SHARD
+    if isinstance(example, nn.Parameter):
+        return InputRole.PARAM
+    return InputRole.BUFFER if is_buffer else InputRole.INPUT
+
+
+def _check_static(example_inputs: list) -> None:
+    for i, example in enumerate(example_inputs):
+        if not isinstance(example, torch.Tensor):
+            raise PiperError(
+                f"compiled argument {i} is {type(example).__name__}, not a tensor: piper_fx compiles "
+                "static shapes; pass dynamic=False to torch.compile and keep batch shapes fixed")
+
+
+def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_group: str | None) -> TrainingDAG:
+    """Trace `gm` into a joint graph and describe its inputs and outputs.
+
+    Requires: `gm` is a whole Dynamo graph (no graph break) whose first output is
+    the scalar loss when training. Guarantees: a `TrainingDAG` whose joint graph
+    takes its placeholders in order and returns exactly `dag.outputs` as a flat tuple.
+    """
+    _check_static(example_inputs)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in example_inputs)
+    decompositions = None
+    if strategy.codegen == "inductor":
+        from torch._inductor.decomposition import select_decomp_table
+        decompositions = select_decomp_table()
+    with contextlib.ExitStack() as stack:
+        exported = aot_export_joint_with_descriptors(
+            stack, gm, tuple(example_inputs), decompositions=decompositions)
+        joint = exported.graph_module
+
+    dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs: list[GraphInput] = []
+    for node in joint.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        desc = node.meta.get("desc")
+        if isinstance(desc, aot_desc.TangentAOTInput):
+            inputs.append(GraphInput(node.name, InputRole.TANGENT, None))
+        elif isinstance(desc, aot_desc.PlainAOTInput):
+            example = example_inputs[desc.idx]
+            fqn, is_buffer = _fqn_from_source(dynamo_placeholders[desc.idx])
+            role = _input_role(example, is_buffer)
+            sharded = sharded_parameter_info(example)
+            if sharded is not None:
+                fqn = sharded.fqns[0]
+            inputs.append(GraphInput(node.name, role, desc.idx, fqn, sharded))
+        else:
+            raise PiperError(f"unsupported joint-graph input {node.name}: {desc}")
+
+    output_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    flat_outputs, descs = output_node.args[0], output_node.meta["desc"]
+    outputs: list[GraphOutput] = []
+    kept: list[fx.Node] = []
+    for value, desc in zip(flat_outputs, descs):
+        if value is None:
+            continue
+        if isinstance(desc, aot_desc.PlainAOTOutput):
+            role = OutputRole.LOSS if training and desc.idx == 0 else OutputRole.OUTPUT
+            outputs.append(GraphOutput(value.name, role, desc.idx))
+        elif isinstance(desc, aot_desc.GradAOTOutput) and isinstance(desc.grad_of, aot_desc.PlainAOTInput):
+            outputs.append(GraphOutput(value.name, OutputRole.GRAD, desc.grad_of.idx))
+        elif isinstance(desc, aot_desc.InputMutationAOTOutput) and isinstance(
+                desc.mutated_input, aot_desc.PlainAOTInput):
+            outputs.append(GraphOutput(value.name, OutputRole.MUTATION, desc.mutated_input.idx))
+        else:
+            raise PiperError(f"unsupported joint-graph output {getattr(value, 'name', value)}: {desc}")
+        kept.append(value)
+
+    if training:
+        tangents = [i for i in inputs if i.role is InputRole.TANGENT]
+        loss = next((o for o in outputs if o.role is OutputRole.LOSS), None)
+        if loss is None or len(tangents) != 1:
+            raise PiperError(
+                f"the compiled graph has {len(tangents)} differentiable outputs; piper_fx runs whole "
+                "training steps and needs the model to return its scalar loss first and nothing "
+                "else that requires grad. A graph break also splits the model: use fullgraph=True "
+                "to find it")
+        loss_node = next(n for n in joint.graph.nodes if n.name == loss.name)
+        if loss_node.meta["val"].numel() != 1:
+            raise PiperError(
+                f"the compiled graph's first output has shape {tuple(loss_node.meta['val'].shape)}; "
+                "piper_fx needs the model to return its scalar loss")
+
+    # A flat calling convention (placeholders in, flat tuple out) for the passes.
+    joint.graph._codegen = fx.graph.CodeGen()
+    output_node.args = (tuple(kept),)
+    output_node.meta.pop("desc", None)
+    joint.recompile()
+    return TrainingDAG(joint, inputs, outputs, strategy, dp_group, training)

@@ -1,0 +1,31 @@
+"""Code generation: each task of a rank's program -> a boxed callable.
+
+A compiled task takes a list of input tensors (which it may clear, so inputs
+die at their last use inside the task) and returns a sequence of outputs.
+`eager` runs the FX graph's Python code; `inductor` compiles it with
+`compile_fx_inner` (C++ on CPU, Triton on CUDA); collectives stay inside the
+compiled graphs as functional collectives.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from ..debug import DebugDump
+from ..ir import RankProgram, Task
+from . import eager, inductor
+
+CompiledTask = Callable[[list], Sequence[torch.Tensor]]
+
+
+def compile_program(program: RankProgram, codegen: str, dump: DebugDump) -> dict[str, CompiledTask]:
+    compile_task = inductor.compile_task if codegen == "inductor" else eager.compile_task
+    compiled: dict[str, CompiledTask] = {}
+    for task in program.tasks:
+        compiled[task.name], source = compile_task(task)
+        dump.write(f"codegen/{task.name}.py", source)
+    return compiled
+
+
+__all__ = ["compile_program", "CompiledTask", "Task"]

@@ -1,0 +1,18 @@
+"""Eager code generation: the task's FX graph run as Python, boxed."""
+from __future__ import annotations
+
+import copy
+
+from torch.fx.graph import _BoxedCodeGen
+
+from ..ir import Task
+
+
+def compile_task(task: Task):
+    gm = copy.copy(task.graph)
+    gm.graph = copy.deepcopy(task.graph.graph)
+    # Boxed: the generated code clears the argument list, and FX code drops each
+    # local after its last use, so values die inside the task, not at its end.
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    return gm.forward, gm.code

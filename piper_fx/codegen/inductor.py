@@ -1,0 +1,26 @@
+"""Inductor code generation: `compile_fx_inner` on each task graph.
+
+The graphs are post-AOTAutograd ATen graphs (captured with Inductor's
+decomposition table) with `val` metadata on every node, as Inductor expects.
+The FX graph cache (TORCHINDUCTOR_CACHE_DIR) is shared across ranks and runs.
+"""
+from __future__ import annotations
+
+import torch
+from torch._guards import TracingContext, tracing
+from torch._inductor.compile_fx import compile_fx_inner
+
+from ..ir import Task
+
+
+def _fake_inputs(task: Task) -> list:
+    return [n.meta["val"] for n in task.graph.graph.nodes if n.op == "placeholder"]
+
+
+def compile_task(task: Task):
+    example_inputs = _fake_inputs(task)
+    fake_mode = next((v.fake_mode for v in example_inputs if hasattr(v, "fake_mode")), None)
+    with tracing(TracingContext(fake_mode)):
+        compiled = compile_fx_inner(task.graph, example_inputs)
+    source = getattr(compiled, "source_code", None) or task.graph.code
+    return compiled, source

@@ -1,0 +1,1 @@
+"""Collectives: their lowering to functional collectives, and graph emission."""

@@ -1,0 +1,41 @@
+"""Debug dumps: what was compiled, written by the code path that runs it.
+
+Layout under `debug_dir` (option, or env PIPER_DEBUG_DIR):
+  rank{r}/graph{g}/00_dynamo_graph.py      the graph Dynamo handed the backend
+  rank{r}/graph{g}/01_joint_graph.py       AOTAutograd's joint forward/backward graph
+  rank{r}/graph{g}/passes/NN_<pass>.py     the joint graph (or tasks) after each pass
+  rank{r}/graph{g}/placement_table.txt     DTensor-style spec of every node
+  rank{r}/graph{g}/program.txt             this rank's program: tasks, values, collectives
+  rank{r}/graph{g}/codegen/<task>.py       the code each task runs (Inductor output or FX)
+`g` counts the graphs this process compiled (a recompile is a new graph).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+_graph_ids = itertools.count()
+
+
+class DebugDump:
+    """Writes dump files for one compiled graph on one rank; does nothing without a directory."""
+
+    def __init__(self, debug_dir: str | None, rank: int):
+        self.root: Path | None = None
+        if debug_dir is not None:
+            self.root = Path(debug_dir) / f"rank{rank}" / f"graph{next(_graph_ids)}"
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def enabled(self) -> bool:
+        return self.root is not None
+
+    def write(self, relative_path: str, text: str) -> None:
+        if self.root is None:
+            return
+        path = self.root / relative_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)

@@ -1,0 +1,135 @@
+"""The strategy schema: `options` dict -> validated `Strategy`.
+
+Each option maps onto the pass that consumes it:
+
+| option       | consumed by                                              |
+|--------------|----------------------------------------------------------|
+| mesh.dp      | sharding.mesh (groups), passes.reduce_gradients          |
+| mesh.pp      | reserved for the pipeline passes (must be 1 for now)     |
+| zero         | prepare (layout), passes.unshard_parameters,             |
+|              | passes.reduce_gradients                                  |
+| bucket_mb    | collectives.bucketing (size cap of one flat bucket)      |
+| codegen      | capture (decompositions), codegen                        |
+| debug_dir    | debug (dumps); env PIPER_DEBUG_DIR when not given        |
+
+Everything is checked here, before any graph is traced, so a bad value never
+half-runs: each error is a `PiperConfigError` naming the key, the value and what
+would be valid.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+import torch.distributed as dist
+
+from .errors import PiperConfigError
+
+ZERO_LEVELS = (0, 1, 2, 3)
+CODEGENS = ("inductor", "eager")
+MESH_DIMS = ("pp", "dp")
+TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "codegen", "debug_dir")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A validated strategy. `world_size` and `rank` are those of the process group."""
+
+    dp: int
+    pp: int = 1
+    zero: int = 0
+    bucket_mb: float = 25.0
+    codegen: str = "inductor"
+    debug_dir: str | None = None
+    world_size: int = 1
+    rank: int = 0
+
+    @property
+    def dp_index(self) -> int:
+        return self.rank % self.dp
+
+    @property
+    def pp_index(self) -> int:
+        return self.rank // self.dp
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether parameters live as 1/dp shards (ZeRO >= 1 over more than one replica)."""
+        return self.zero >= 1 and self.dp > 1
+
+    def layout_key(self) -> tuple:
+        """What `prepare` fixed: compiling with a different key needs a new `prepare`."""
+        return (self.dp, self.pp, self.shards_parameters)
+
+    def with_rank(self, rank: int) -> "Strategy":
+        return replace(self, rank=rank)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _process_group_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def parse_options(options: Mapping[str, Any] | None) -> Strategy:
+    """Validate `options` against the process group and return the `Strategy`."""
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise PiperConfigError("options", options, "a dict of strategy options")
+    for key in options:
+        if key not in TOP_LEVEL_KEYS:
+            raise PiperConfigError(key, options[key], f"unknown option; valid options are {list(TOP_LEVEL_KEYS)}")
+
+    world_size, rank = _process_group_world()
+    launched_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+    mesh = options.get("mesh", {})
+    if not isinstance(mesh, Mapping):
+        raise PiperConfigError("mesh", mesh, "a dict such as {'dp': 2}")
+    for dim, size in mesh.items():
+        if dim not in MESH_DIMS:
+            raise PiperConfigError(f"mesh.{dim}", size, f"unknown mesh dimension; valid are {list(MESH_DIMS)}")
+        if not _is_int(size) or size < 1:
+            raise PiperConfigError(f"mesh.{dim}", size, "a positive int")
+    pp = mesh.get("pp", 1)
+    if pp != 1:
+        raise PiperConfigError("mesh.pp", pp, "1: pipeline parallelism is not available in this version")
+    dp = mesh.get("dp", world_size // pp)
+
+    if world_size == 1 and (dp * pp > 1 or launched_world > 1):
+        raise PiperConfigError(
+            "mesh", dict(mesh) or {"dp": dp},
+            f"a mesh of size {max(dp * pp, launched_world)} needs an initialized process group "
+            "(call torch.distributed.init_process_group first); none is initialized, so the "
+            "world size is 1")
+    if dp * pp != world_size:
+        raise PiperConfigError(
+            "mesh", dict(mesh), f"pp * dp must equal the world size {world_size} (got {pp} * {dp} = {pp * dp})")
+
+    zero = options.get("zero", 0)
+    if not _is_int(zero) or zero not in ZERO_LEVELS:
+        raise PiperConfigError("zero", zero, f"one of {list(ZERO_LEVELS)}")
+
+    bucket_mb = options.get("bucket_mb", 25.0)
+    if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
+        raise PiperConfigError("bucket_mb", bucket_mb, "a positive number of megabytes")
+
+    codegen = options.get("codegen", "inductor")
+    if codegen not in CODEGENS:
+        raise PiperConfigError("codegen", codegen, f"one of {list(CODEGENS)}")
+
+    debug_dir = options.get("debug_dir", os.environ.get("PIPER_DEBUG_DIR") or None)
+    if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
+        raise PiperConfigError("debug_dir", debug_dir, "a directory path (str or os.PathLike) or None")
+
+    return Strategy(
+        dp=dp, pp=pp, zero=zero, bucket_mb=float(bucket_mb), codegen=codegen,
+        debug_dir=os.fspath(debug_dir) if debug_dir is not None else None,
+        world_size=world_size, rank=rank,
+    )

@@ -1,0 +1,35 @@
+"""The strategy pass pipeline, in the order it runs.
+
+Each pass is a function `(TrainingDAG, Strategy) -> TrainingDAG` in a file of
+its own, whose docstring states what it requires and guarantees. The debug
+dumps show the DAG after every one of them.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..ir import TrainingDAG
+from ..options import Strategy
+from .build_rank_programs import build_rank_programs
+from .propagate_placements import propagate_placements
+from .reduce_gradients import reduce_gradients
+from .split_forward_backward import split_forward_backward
+from .unshard_parameters import unshard_parameters
+
+Pass = Callable[[TrainingDAG, Strategy], TrainingDAG]
+
+PIPELINE: tuple[Pass, ...] = (
+    unshard_parameters,      # ZeRO: parameter all-gathers (per step, or per use and again in backward)
+    reduce_gradients,        # DP/ZeRO: gradient all-reduce / reduce-scatter, averaged over dp
+    propagate_placements,    # DTensor-style spec on every node (descriptive)
+    split_forward_backward,  # joint graph -> F and B tasks
+    build_rank_programs,     # tasks -> this rank's program
+)
+
+
+def run_passes(dag: TrainingDAG, strategy: Strategy, after_pass: Callable[[int, str, TrainingDAG], None]) -> TrainingDAG:
+    for index, strategy_pass in enumerate(PIPELINE):
+        dag = strategy_pass(dag, strategy)
+        dag.refresh_output_names()
+        after_pass(index, strategy_pass.__name__, dag)
+    return dag

@@ -1,0 +1,71 @@
+"""Pass: average parameter gradients over the data-parallel group.
+
+Requires: the joint graph; ZeRO >= 1 gradients arrive through `piper::reduce_grad`
+markers (the backward of `piper::unshard`), ZeRO-0 gradients as GRAD outputs of
+PARAM placeholders.
+Guarantees: every parameter gradient output is the dp-average its owner needs
+and no `piper::reduce_grad` node remains:
+  - ZeRO-0 (DDP): all-reduce(avg) of the full gradient;
+  - ZeRO-1: all-reduce(avg) of the full gradient, then this rank's row shard;
+  - ZeRO-2/3: reduce-scatter(avg) straight into the row shard.
+Each collective is issued where its gradient is complete, in backward order,
+which is the same on every rank (the graph is the same), so ranks agree on the
+order of collectives.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..collectives.emit import insert_traced
+from ..collectives.lowering import all_reduce_mean, all_reduce_then_take_rows, reduce_scatter_rows
+from ..ir import InputRole, OutputRole, TrainingDAG
+from ..options import Strategy
+
+REDUCE_GRAD = torch.ops.piper.reduce_grad.default
+
+
+def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:
+    graph = dag.joint.graph
+    for marker in [n for n in graph.nodes if n.op == "call_function" and n.target is REDUCE_GRAD]:
+        _, shard_rows, group_name = marker.args
+        if strategy.zero == 1:
+            fn = functools.partial(all_reduce_then_take_rows, shard_rows=shard_rows, group_size=strategy.dp,
+                                   group_name=group_name, group_rank=strategy.dp_index)
+            kind = "all_reduce"
+        else:
+            fn = functools.partial(reduce_scatter_rows, shard_rows=shard_rows, group_size=strategy.dp,
+                                   group_name=group_name)
+            kind = "reduce_scatter"
+        reduced = insert_traced(graph, fn, [marker.args[0]], before=marker, like=marker,
+                                meta={"piper_comm": f"{kind} grad"})
+        marker.replace_all_uses_with(reduced)
+        graph.erase_node(marker)
+    dag.refresh_output_names()
+
+
+def _all_reduce_full_gradients(dag: TrainingDAG) -> None:
+    graph = dag.joint.graph
+    inputs_by_arg = {i.arg_index: i for i in dag.inputs if i.arg_index is not None}
+    by_name = {n.name: n for n in graph.nodes}
+    new_outputs = []
+    for out in dag.outputs:
+        node = by_name[out.name]
+        source = inputs_by_arg.get(out.index) if out.role is OutputRole.GRAD else None
+        if source is not None and source.role is InputRole.PARAM:
+            node = insert_traced(graph, functools.partial(all_reduce_mean, group_name=dag.dp_group), [node],
+                                 before=node.next, like=node, meta={"piper_comm": f"all_reduce grad {source.fqn}"})
+        new_outputs.append(node)
+    dag.set_outputs(new_outputs)
+
+
+def reduce_gradients(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
+    if not dag.training or strategy.dp == 1:
+        return dag
+    _lower_markers(dag, strategy)
+    if strategy.zero == 0:
+        _all_reduce_full_gradients(dag)
+    dag.joint.graph.lint()
+    dag.joint.recompile()
+    return dag

@@ -1,0 +1,101 @@
+"""Pass: lower `piper::unshard` markers to all-gathers placed per the ZeRO level.
+
+Requires: the captured joint graph; markers read only PARAM_SHARD placeholders.
+Guarantees: no `piper::unshard` node remains.
+  - ZeRO-1/2: one all-gather per sharded parameter at the top of the step; its
+    full value serves every forward use and is kept for the backward
+    ("gathered once per step").
+  - ZeRO-3: one all-gather per use site in forward (Dynamo emits a marker per
+    module access, so a tied weight is gathered by each module that uses it),
+    freed after its last forward use; every backward use gets its own
+    all-gather (and its own copy of the parameter-only ops between the gather
+    and the use, e.g. the transpose of a weight), placed just before the first
+    backward use. So no full parameter is saved from forward to backward.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.fx as fx
+
+from ..collectives.emit import insert_traced
+from ..collectives.lowering import gather_rows
+from ..ir import TrainingDAG, forward_nodes
+from ..options import Strategy
+
+UNSHARD = torch.ops.piper.unshard.default
+
+
+def _gather_fn(marker: fx.Node, group_size: int):
+    _, full_shape, group_name = marker.args
+    return functools.partial(gather_rows, full_shape=list(full_shape), group_size=group_size, group_name=group_name)
+
+
+def _comm_meta(dag: TrainingDAG, marker: fx.Node, phase: str) -> dict:
+    fqn = dag.input_by_name()[marker.args[0].name].fqn
+    return {"piper_comm": f"all_gather {fqn} ({phase})"}
+
+
+def _gather_once_per_step(dag: TrainingDAG, markers: list[fx.Node], group_size: int) -> None:
+    graph = dag.joint.graph
+    top = next(n for n in graph.nodes if n.op != "placeholder")
+    gathered: dict[fx.Node, fx.Node] = {}
+    for marker in markers:
+        shard = marker.args[0]
+        if shard not in gathered:
+            gathered[shard] = insert_traced(graph, _gather_fn(marker, group_size), [shard], before=top,
+                                            like=marker, meta=_comm_meta(dag, marker, "step"))
+        marker.replace_all_uses_with(gathered[shard])
+        graph.erase_node(marker)
+
+
+def _parameter_only_chain(marker: fx.Node, forward: set[fx.Node]) -> list[fx.Node]:
+    """The marker and the forward ops computed from it alone (views, casts), in graph order."""
+    chain = [marker]
+    members = {marker}
+    node = marker.next
+    while node.op != "output":
+        if node in forward and node.op == "call_function" and node.all_input_nodes and all(
+                i in members for i in node.all_input_nodes):
+            chain.append(node)
+            members.add(node)
+        node = node.next
+    return chain
+
+
+def _gather_per_use(dag: TrainingDAG, markers: list[fx.Node], group_size: int) -> None:
+    graph = dag.joint.graph
+    forward = forward_nodes(dag)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for marker in markers:
+        chain = _parameter_only_chain(marker, forward)
+        backward_uses = [(user, node) for node in chain for user in node.users if user not in forward]
+        if backward_uses:
+            first_use = min((user for user, _ in backward_uses), key=order.__getitem__)
+            clones: dict[fx.Node, fx.Node] = {}
+            clones[marker] = insert_traced(graph, _gather_fn(marker, group_size), [marker.args[0]],
+                                           before=first_use, like=first_use,
+                                           meta=_comm_meta(dag, marker, "backward"))
+            with graph.inserting_before(first_use):
+                for node in chain[1:]:
+                    clones[node] = graph.node_copy(node, lambda n: clones.get(n, n))
+            for user, node in backward_uses:
+                user.replace_input_with(node, clones[node])
+        full = insert_traced(graph, _gather_fn(marker, group_size), [marker.args[0]], before=marker,
+                             like=marker, meta=_comm_meta(dag, marker, "forward"))
+        marker.replace_all_uses_with(full)
+        graph.erase_node(marker)
+
+
+def unshard_parameters(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
+    markers = [n for n in dag.joint.graph.nodes if n.op == "call_function" and n.target is UNSHARD]
+    if not markers:
+        return dag
+    if strategy.zero == 3:
+        _gather_per_use(dag, markers, strategy.dp)
+    else:
+        _gather_once_per_step(dag, markers, strategy.dp)
+    dag.joint.graph.lint()
+    dag.joint.recompile()
+    return dag

@@ -1,0 +1,59 @@
+"""`piper_fx.prepare`: parameter layout, fixed before the optimizer is built.
+
+Layout changes belong here and not in the backend: changing a parameter's
+shape while Dynamo compiles makes its guards fail on the frame it just built.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from torch import nn
+
+from .errors import PiperConfigError
+from .options import Strategy, parse_options
+from .sharding.mesh import dp_group_name
+from .sharding.row_shard import shard_parameters
+
+_LAYOUT_ATTR = "_piper_layout_key"
+
+
+def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Module:
+    """Lay out `model`'s parameters for the strategy in `options`, in place.
+
+    With ZeRO >= 1 over dp > 1 ranks every parameter becomes its 1/dp row shard
+    (a new `nn.Parameter`; build the optimizer afterwards, as with FSDP2).
+    Otherwise nothing changes. Calling it again with the same layout is a no-op.
+    Collective when it shards: every rank must call it.
+    """
+    strategy = parse_options(options)
+    applied = prepared_layout(model)
+    if applied is not None:
+        if applied != strategy.layout_key():
+            raise PiperConfigError(
+                "options", dict(options or {}),
+                f"the model was already prepared for a different layout {applied}; "
+                "build a fresh model to change mesh or ZeRO sharding")
+        return model
+    if strategy.shards_parameters:
+        shard_parameters(model, dp_group_name(strategy), strategy.dp, strategy.dp_index)
+    setattr(model, _LAYOUT_ATTR, strategy.layout_key())
+    return model
+
+
+def prepared_layout(model: nn.Module) -> tuple | None:
+    return getattr(model, _LAYOUT_ATTR, None)
+
+
+def check_prepared(strategy: Strategy, sharded_inputs: int, plain_parameters: int) -> None:
+    """Raise if the parameters the backend sees do not match `strategy`'s layout."""
+    if strategy.shards_parameters and plain_parameters:
+        raise PiperConfigError(
+            "zero", strategy.zero,
+            f"ZeRO-{strategy.zero} over dp={strategy.dp} needs sharded parameters: call "
+            "piper_fx.prepare(model, options) with the same options before building the "
+            "optimizer and compiling")
+    if not strategy.shards_parameters and sharded_inputs:
+        raise PiperConfigError(
+            "zero", strategy.zero,
+            "the model was prepared with sharded parameters (ZeRO >= 1), but these options "
+            "do not shard; compile with the options given to prepare")

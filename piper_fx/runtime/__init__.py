@@ -1,0 +1,1 @@
+"""Runtime: runs a rank's program. Knows tasks and values, never strategies."""

@@ -1,0 +1,77 @@
+"""The callable handed back to Dynamo: one whole training step per call.
+
+A training call runs the rank's whole program (forward, backward and their
+collectives) at once, seeded with d(loss)/d(loss) = 1, and returns the loss
+attached to autograd through `_StepFunction`. `loss.backward()` then hands
+each input its gradient scaled by the incoming seed (gradients are linear in
+it), so `(2 * loss).backward()` and accumulation over several calls behave as
+in PyTorch. Inputs without a gradient (parameters this rank does not own,
+non-differentiable inputs) keep `grad is None`.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..ir import GraphInput, GraphOutput, InputRole, OutputRole
+from .executor import ProgramExecutor
+
+
+class CompiledStep:
+    def __init__(self, executor: ProgramExecutor, inputs: Sequence[GraphInput], outputs: Sequence[GraphOutput],
+                 seed_shape: torch.Size | None, seed_dtype: torch.dtype | None, num_user_outputs: int):
+        self.executor = executor
+        self.inputs = list(inputs)
+        self.outputs = list(outputs)
+        self.seed_shape, self.seed_dtype = seed_shape, seed_dtype
+        self.num_user_outputs = num_user_outputs
+        self.training = seed_shape is not None
+
+    def run_program(self, args: Sequence[torch.Tensor]):
+        """Run the program on the call's arguments: (user outputs, {arg index: grad})."""
+        values: dict[str, torch.Tensor] = {}
+        for graph_input in self.inputs:
+            if graph_input.role is InputRole.TANGENT:
+                values[graph_input.name] = torch.ones(self.seed_shape, dtype=self.seed_dtype)
+            else:
+                values[graph_input.name] = args[graph_input.arg_index]
+        results = self.executor.run(values)
+        user_outputs: list[torch.Tensor | None] = [None] * self.num_user_outputs
+        grads: dict[int, torch.Tensor] = {}
+        for out in self.outputs:
+            value = results[out.name]
+            if out.role in (OutputRole.LOSS, OutputRole.OUTPUT):
+                user_outputs[out.index] = value
+            elif out.role is OutputRole.GRAD:
+                grads[out.index] = value
+            else:
+                args[out.index].copy_(value)
+        return user_outputs, grads
+
+    def __call__(self, *args: torch.Tensor):
+        if not self.training:
+            with torch.no_grad():
+                user_outputs, _ = self.run_program(args)
+            return tuple(user_outputs)
+        return tuple(_StepFunction.apply(self, *args))
+
+
+class _StepFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, step: CompiledStep, *args: torch.Tensor):
+        with torch.no_grad():
+            user_outputs, grads = step.run_program(args)
+        ctx.grads = grads
+        ctx.num_args = len(args)
+        # Only the loss (output 0) carries gradient; the others are plain values.
+        ctx.mark_non_differentiable(*user_outputs[1:])
+        return tuple(user_outputs)
+
+    @staticmethod
+    def backward(ctx, loss_seed: torch.Tensor, *unused):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("piper_fx: backward through the same compiled step twice; "
+                               "the step's gradients were already delivered")
+        return (None, *(loss_seed * grads[i] if i in grads else None for i in range(ctx.num_args)))

@@ -1,0 +1,1 @@
+"""Placement: the device mesh, sharded parameter layout and placement specs."""

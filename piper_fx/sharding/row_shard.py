@@ -1,0 +1,147 @@
+"""Parameters sharded by rows over the data-parallel group (ZeRO-1/2/3).
+
+`prepare` replaces each parameter by its row shard (a new `nn.Parameter`, so a
+stock optimizer built afterwards keeps state only for the shard) and registers
+a parametrization that turns the shard back into the full tensor with the
+`piper::unshard` op. Dynamo traces that op as a marker; the strategy passes
+lower it (and its backward, `piper::reduce_grad`) to collectives placed as the
+ZeRO level says. Used eagerly, outside `torch.compile`, the ops run their
+collectives directly, so a prepared model still works as a plain module (every
+rank of the group must run it, as with FSDP).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parametrize
+
+from ..collectives import lowering
+
+
+@dataclass(frozen=True)
+class RowShardLayout:
+    """How one parameter of `full_shape` is split by rows over `group_size` ranks."""
+
+    full_shape: tuple[int, ...]
+    group_size: int
+
+    @property
+    def rows(self) -> int:
+        return self.full_shape[0] if self.full_shape else 1
+
+    @property
+    def shard_rows(self) -> int:
+        return math.ceil(self.rows / self.group_size)
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        return (self.shard_rows, *self.full_shape[1:])
+
+    def shard_of(self, full: torch.Tensor, group_rank: int) -> torch.Tensor:
+        """The padded row shard that rank `group_rank` holds (a new tensor)."""
+        rows = full.reshape(1, *full.shape) if full.dim() == 0 else full
+        shard = rows.new_zeros(self.shard_shape)
+        start = min(group_rank * self.shard_rows, self.rows)
+        stop = min(start + self.shard_rows, self.rows)
+        shard[: stop - start].copy_(rows[start:stop])
+        return shard
+
+
+@dataclass(frozen=True)
+class ShardedParameter:
+    """What piper_fx knows of a parameter that `prepare` sharded."""
+
+    fqns: tuple[str, ...]
+    layout: RowShardLayout
+    group_name: str
+
+
+# Kept on the shard Parameter itself, so it follows the object (and its deepcopies).
+_INFO_ATTR = "_piper_sharded"
+
+
+def sharded_parameter_info(t: object) -> ShardedParameter | None:
+    return getattr(t, _INFO_ATTR, None) if isinstance(t, nn.Parameter) else None
+
+
+@torch.library.custom_op("piper::unshard", mutates_args=())
+def unshard(shard: torch.Tensor, full_shape: list[int], group_name: str) -> torch.Tensor:
+    """The full parameter from its row shards (all-gather over `group_name`)."""
+    size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+    return lowering.gather_rows(shard, full_shape, size, group_name).clone()
+
+
+@unshard.register_fake
+def _unshard_fake(shard, full_shape, group_name):
+    return shard.new_empty(full_shape)
+
+
+@torch.library.custom_op("piper::reduce_grad", mutates_args=())
+def reduce_grad(grad: torch.Tensor, shard_rows: int, group_name: str) -> torch.Tensor:
+    """This rank's row shard of the group-averaged full gradient."""
+    size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+    return lowering.reduce_scatter_rows(grad, shard_rows, size, group_name).clone()
+
+
+@reduce_grad.register_fake
+def _reduce_grad_fake(grad, shard_rows, group_name):
+    return grad.new_empty((shard_rows, *grad.shape[1:]))
+
+
+def _unshard_backward(ctx, grad):
+    return reduce_grad(grad, ctx.shard_rows, ctx.group_name), None, None
+
+
+def _unshard_setup(ctx, inputs, output):
+    shard, _, group_name = inputs
+    ctx.shard_rows, ctx.group_name = shard.shape[0], group_name
+
+
+unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
+
+
+class Unshard(nn.Module):
+    """Parametrization: row shard -> full parameter."""
+
+    def __init__(self, full_shape: tuple[int, ...], group_name: str):
+        super().__init__()
+        self.full_shape = list(full_shape)
+        self.group_name = group_name
+
+    def forward(self, shard: torch.Tensor) -> torch.Tensor:
+        return unshard(shard, self.full_shape, self.group_name)
+
+
+def shard_parameters(model: nn.Module, group_name: str, group_size: int, group_rank: int) -> None:
+    """Replace every parameter of `model` by its row shard, in place.
+
+    Tied parameters (one `Parameter` held by several modules) stay tied: they
+    get one shard, parametrized in every module that holds it.
+    """
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    originals: dict[int, nn.Parameter] = {}
+    seen: set[tuple[int, str]] = set()
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        if parametrize.is_parametrized(module):
+            raise ValueError(
+                f"module {module_name or '<root>'} already has a parametrization; "
+                "piper_fx cannot shard it (prepare was called twice, or the model uses one of its own)")
+        for name, p in module._parameters.items():
+            if p is None or (id(module), name) in seen:
+                continue
+            seen.add((id(module), name))
+            fqn = f"{module_name}.{name}" if module_name else name
+            owners.setdefault(id(p), []).append((fqn, module, name))
+            originals[id(p)] = p
+    for key, holders in owners.items():
+        original = originals[key]
+        layout = RowShardLayout(tuple(original.shape), group_size)
+        shard = nn.Parameter(layout.shard_of(original.detach(), group_rank), requires_grad=original.requires_grad)
+        setattr(shard, _INFO_ATTR, ShardedParameter(tuple(fqn for fqn, _, _ in holders), layout, group_name))
+        for _, module, name in holders:
+            module._parameters[name] = shard
+            parametrize.register_parametrization(module, name, Unshard(layout.full_shape, group_name), unsafe=True)

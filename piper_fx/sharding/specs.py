@@ -1,0 +1,124 @@
+"""DTensor-style placement specs on every FX node (`node.meta["piper_spec"]`).
+
+Placements over the data-parallel mesh dimension are propagated with DTensor's
+own sharding propagator (the rules `DTensor` dispatch uses), on a planning
+mesh that needs no process group. Seeds: a replica's batch is `Shard(0)`,
+parameters are `Replicate()` (or `Shard(0)` when stored as row shards),
+the loss seed gradient is `Replicate()`. Our own ops (the ZeRO markers and
+functional collectives) have their rules here, since their placement change
+*is* their meaning.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.distributed.tensor.placement_types import Placement
+
+SPEC_KEY = "piper_spec"
+UNKNOWN = "?"
+
+_c10d = torch.ops._c10d_functional
+_FIXED: dict[Any, Placement] = {
+    _c10d.all_gather_into_tensor.default: Replicate(),
+    _c10d.reduce_scatter_tensor.default: Shard(0),
+    _c10d.all_reduce.default: Replicate(),
+}
+
+
+def planning_mesh(dp: int) -> DeviceMesh:
+    """A ("dp",) mesh for propagation only: no process group is touched."""
+    return DeviceMesh("cpu", list(range(dp)), mesh_dim_names=("dp",), _init_backend=False, _rank=0)
+
+
+def format_spec(spec: Any) -> str:
+    if spec is None:
+        return "-"
+    if isinstance(spec, tuple):
+        return "(" + ", ".join(format_spec(s) for s in spec) + ")"
+    if isinstance(spec, Placement):
+        return f"dp:{spec}"
+    return str(spec)
+
+
+def _tensor_meta(val: torch.Tensor) -> TensorMeta:
+    return TensorMeta(val.shape, val.stride(), val.dtype)
+
+
+def _as_dtensor_spec(mesh: DeviceMesh, node: fx.Node) -> Any:
+    spec, val = node.meta.get(SPEC_KEY), node.meta.get("val")
+    if isinstance(spec, Placement) and isinstance(val, torch.Tensor):
+        return DTensorSpec(mesh, (spec,), tensor_meta=_tensor_meta(val))
+    raise LookupError(node.name)
+
+
+def _from_output_spec(out: Any) -> Any:
+    if isinstance(out, DTensorSpec):
+        return out.placements[0]
+    if isinstance(out, (tuple, list)):
+        return tuple(_from_output_spec(o) for o in out)
+    return None
+
+
+def _propagate_with_dtensor(mesh: DeviceMesh, node: fx.Node) -> Any:
+    args = fx.node.map_arg(node.args, lambda n: _as_dtensor_spec(mesh, n))
+    kwargs = fx.node.map_arg(node.kwargs, lambda n: _as_dtensor_spec(mesh, n))
+    schema = OpSchema(node.target, args, kwargs)
+    result = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding(schema)
+    return _from_output_spec(result.output_spec)
+
+
+def _input_specs(node: fx.Node) -> list[Any]:
+    return [a.meta.get(SPEC_KEY) for a in node.all_input_nodes]
+
+
+def infer_spec(mesh: DeviceMesh, node: fx.Node) -> Any:
+    """The placement of `node`'s value from its inputs' placements."""
+    if node.target in _FIXED:
+        return _FIXED[node.target]
+    if node.target is _c10d.wait_tensor.default:
+        return node.args[0].meta.get(SPEC_KEY)
+    if node.target is torch.ops.piper.unshard.default:
+        return Replicate()
+    if node.target is torch.ops.piper.reduce_grad.default:
+        return Shard(0)
+    if node.target is operator.getitem:
+        parent = node.args[0].meta.get(SPEC_KEY)
+        return parent[node.args[1]] if isinstance(parent, tuple) else parent
+    inputs = _input_specs(node)
+    if all(isinstance(s, Replicate) for s in inputs):
+        return Replicate()
+    try:
+        return _propagate_with_dtensor(mesh, node)
+    except Exception:
+        # An op without a DTensor rule: keep the graph, show the gap in the dumps.
+        if any(isinstance(s, Partial) for s in inputs):
+            return Partial("avg")
+        return UNKNOWN
+
+
+def propagate(graph: fx.Graph, seeds: dict[str, Placement], mesh: DeviceMesh) -> None:
+    """Set `meta["piper_spec"]` on every node; placeholders take theirs from `seeds`."""
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            node.meta[SPEC_KEY] = seeds[node.name]
+        elif node.op == "call_function":
+            node.meta[SPEC_KEY] = infer_spec(mesh, node)
+
+
+def placement_table(graph: fx.Graph) -> str:
+    rows = [f"{'node':<40} {'op':<44} {'shape':<22} spec"]
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        val = node.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else "-"
+        op = str(node.target) if node.op == "call_function" else node.op
+        rows.append(f"{node.name:<40} {op[:44]:<44} {str(shape):<22} {format_spec(node.meta.get(SPEC_KEY))}")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,11 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="piper_fx",
+    version="0.1.0",
+    description="A torch.compile backend for programmable distributed training",
+    packages=find_packages(include=["piper_fx", "piper_fx.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch==2.13.0", "numpy"],
+    entry_points={"torch_dynamo_backends": ["piper = piper_fx.backend:piper_backend"]},
+)

@@ -1,0 +1,85 @@
+"""Per-rank training loops compared against single-process training (run inside `run_ranks`)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import piper_fx
+from examples.gpt import GPT, GPTConfig
+
+# Odd sizes on purpose: vocab 37 and block 9 rows do not divide by 2 or 4 ranks.
+SMALL = dict(vocab_size=37, block_size=9, n_layer=2, n_head=2, n_embd=16)
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    raise ValueError(name)
+
+
+def global_batch(step: int, batch: int, cfg: GPTConfig):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    y = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+    return x, y
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    scale = expected.abs().max().clamp_min(1e-12)
+    return ((actual - expected).abs().max() / scale).item()
+
+
+def optimizer_state_bytes(opt) -> int:
+    return sum(t.numel() * t.element_size() for state in opt.state.values() for t in state.values()
+               if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def train_and_compare(rank: int, world: int, options: dict, optimizer: str, steps: int = 5,
+                      tied: bool = True, per_rank_batch: int = 2) -> dict:
+    """Train with piper_fx on this rank's shard and, alongside, one model on the global batch."""
+    cfg = GPTConfig(**SMALL, tied_embeddings=tied)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    reference = copy.deepcopy(model)
+    piper_fx.prepare(model, options)
+    opt = make_optimizer(optimizer, model.parameters())
+    ref_opt = make_optimizer(optimizer, reference.parameters())
+    step = torch.compile(model, backend="piper", options=options)
+
+    loss_errors = []
+    for i in range(steps):
+        x, y = global_batch(i, per_rank_batch * world, cfg)
+        dp = world  # data parallel over every rank in these tests
+        lx, ly = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
+        loss = step(lx, ly)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+        ref_loss = reference(x, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+        mean_loss = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean_loss)
+            mean_loss /= world
+        loss_errors.append(abs(mean_loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+
+    full = piper_fx.full_state_dict(model)
+    expected = reference.state_dict()
+    assert full.keys() == expected.keys(), (sorted(full), sorted(expected))
+    param_errors = {name: relative_error(full[name], expected[name]) for name in expected}
+    return {
+        "loss_errors": loss_errors,
+        "param_errors": param_errors,
+        "optimizer_state_bytes": optimizer_state_bytes(opt),
+        "reference_state_bytes": optimizer_state_bytes(ref_opt),
+        "local_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "full_param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
+    }
