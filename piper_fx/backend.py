@@ -17,7 +17,7 @@ from .capture import capture
 from .codegen import compile_program
 from .debug import DebugDump
 from .ir import InputRole
-from .options import parse_options
+from .options import parse_options_on_all_ranks
 from .passes import run_passes
 from .prepare import check_prepared
 from .runtime.executor import ProgramExecutor
@@ -28,7 +28,7 @@ from .sharding.specs import placement_table
 
 
 def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
-    strategy = parse_options(options)
+    strategy = parse_options_on_all_ranks(options)
     sharded = sum(sharded_parameter_info(t) is not None for t in example_inputs)
     plain = sum(isinstance(t, nn.Parameter) and sharded_parameter_info(t) is None for t in example_inputs)
     check_prepared(strategy, sharded, plain)

@@ -65,6 +65,10 @@ class Strategy:
     def with_rank(self, rank: int) -> "Strategy":
         return replace(self, rank=rank)
 
+    def agreement_key(self) -> tuple:
+        """What every rank must agree on (the debug directory may differ per rank)."""
+        return (self.dp, self.pp, self.zero, self.bucket_mb, self.codegen)
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -133,3 +137,36 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
         debug_dir=os.fspath(debug_dir) if debug_dir is not None else None,
         world_size=world_size, rank=rank,
     )
+
+
+def parse_options_on_all_ranks(options: Mapping[str, Any] | None) -> Strategy:
+    """`parse_options`, agreed by every rank before anything runs.
+
+    If any rank's options are invalid, or ranks were given different
+    strategies, every rank raises a `PiperConfigError` naming the offending
+    rank, instead of the valid ranks going on into collectives that the
+    failing rank will never join. Collective when a process group exists.
+    """
+    try:
+        strategy, error = parse_options(options), None
+    except PiperConfigError as e:
+        strategy, error = None, e
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return strategy
+    mine = ("error", error.key, repr(error.value), error.valid) if error else ("ok", strategy.agreement_key())
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for rank, theirs in enumerate(everyone):
+        if theirs[0] == "error":
+            if error is not None and rank == dist.get_rank():
+                raise error
+            raise PiperConfigError(theirs[1], theirs[2], f"(rank {rank}'s options) {theirs[3]}")
+    keys = {theirs[1] for theirs in everyone}
+    if len(keys) > 1:
+        by_rank = ", ".join(f"rank {r}: {theirs[1]}" for r, theirs in enumerate(everyone))
+        raise PiperConfigError(
+            "options", dict(options or {}),
+            f"every rank must pass the same strategy (dp, pp, zero, bucket_mb, codegen); got {by_rank}")
+    return strategy

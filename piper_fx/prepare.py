@@ -10,7 +10,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from .errors import PiperConfigError
-from .options import Strategy, parse_options
+from .options import Strategy, parse_options_on_all_ranks
 from .sharding.mesh import dp_group_name
 from .sharding.row_shard import shard_parameters
 
@@ -25,7 +25,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     Otherwise nothing changes. Calling it again with the same layout is a no-op.
     Collective when it shards: every rank must call it.
     """
-    strategy = parse_options(options)
+    strategy = parse_options_on_all_ranks(options)
     applied = prepared_layout(model)
     if applied is not None:
         if applied != strategy.layout_key():

@@ -1,17 +1,19 @@
 """Run a function on N real processes over gloo, as torchrun would, and collect results.
 
-A rank that raises makes the whole run fail with that rank's traceback; its
-peers are stopped rather than left waiting in a collective, and every run has
-a hard deadline.
+Every run has a hard deadline, and its processes are killed when it ends, so a
+rank stuck in a collective never outlives the test.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import tempfile
 import traceback
 from datetime import timedelta
+from typing import Iterator
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -24,6 +26,8 @@ class RankFailed(AssertionError):
 
 def _worker(rank, world_size, init_file, fn, args, results, collective_timeout_s):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # Up to 4 ranks share 2 cores: one thread each avoids oversubscription.
+    torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
@@ -36,8 +40,9 @@ def _worker(rank, world_size, init_file, fn, args, results, collective_timeout_s
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size: int, *args, deadline_s: float = 240, collective_timeout_s: float = 60):
-    """fn(rank, world_size, *args) on each rank; returns the list of return values by rank."""
+@contextlib.contextmanager
+def _spawned(fn, world_size, args, deadline_s, collective_timeout_s) -> Iterator:
+    """Start the ranks; yield a function returning the next (rank, status, value)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -46,21 +51,40 @@ def run_ranks(fn, world_size: int, *args, deadline_s: float = 240, collective_ti
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        values: dict[int, object] = {}
+
+        def next_result(waiting_for):
+            try:
+                return results.get(timeout=deadline_s)
+            except queue.Empty:
+                raise AssertionError(f"ranks {sorted(waiting_for)} did not finish within {deadline_s}s") from None
+
         try:
-            while len(values) < world_size:
-                try:
-                    rank, status, value = results.get(timeout=deadline_s)
-                except queue.Empty:
-                    raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(values))} did not finish "
-                                         f"within {deadline_s}s") from None
-                if status == "error":
-                    raise RankFailed(rank, value)
-                values[rank] = value
+            yield next_result
         finally:
             for p in procs:
                 p.join(timeout=5)
                 if p.is_alive():
                     p.kill()
                     p.join()
+
+
+def run_ranks(fn, world_size: int, *args, deadline_s: float = 240, collective_timeout_s: float = 60):
+    """fn(rank, world_size, *args) on each rank; return values by rank. The first failing rank raises."""
+    values: dict[int, object] = {}
+    with _spawned(fn, world_size, args, deadline_s, collective_timeout_s) as next_result:
+        while len(values) < world_size:
+            rank, status, value = next_result(set(range(world_size)) - set(values))
+            if status == "error":
+                raise RankFailed(rank, value)
+            values[rank] = value
     return [values[r] for r in range(world_size)]
+
+
+def run_ranks_collect(fn, world_size: int, *args, deadline_s: float = 240, collective_timeout_s: float = 60):
+    """Like `run_ranks`, but waits for every rank: [{"value": ...} or {"error": traceback}] by rank."""
+    outcomes: dict[int, dict] = {}
+    with _spawned(fn, world_size, args, deadline_s, collective_timeout_s) as next_result:
+        while len(outcomes) < world_size:
+            rank, status, value = next_result(set(range(world_size)) - set(outcomes))
+            outcomes[rank] = {"value": value} if status == "ok" else {"error": value}
+    return [outcomes[r] for r in range(world_size)]

@@ -83,3 +83,34 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
         "local_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
     }
+
+
+def parity_worker(rank: int, world: int, options: dict, tied: bool) -> dict:
+    return {name: train_and_compare(rank, world, options, name, tied=tied) for name in ("sgd", "adamw")}
+
+
+def zero3_memory_worker(rank: int, world: int, zero: int) -> dict:
+    """Peak bytes of gathered (full) parameters alive at once during one training step."""
+    from piper_fx.runtime.executor import around_tasks
+    from piper_fx.runtime.memory import LiveStorageBytes
+
+    cfg = GPTConfig(**SMALL)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    layers = [model.wte, model.wpe, *model.blocks, model.ln_f]
+    # A full parameter is gathered with its row padding: count layers the same way.
+    padded = lambda p: -(-p.shape[0] // world) * world * p[0].numel() * p.element_size()  # noqa: E731
+    largest_layer = max(sum(padded(p) for p in layer.parameters()) for layer in layers)
+    all_params = sum(padded(p) for p in model.parameters())
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    options = {"zero": zero, "codegen": "eager"}
+    piper_fx.prepare(model, options)
+    step = torch.compile(model, backend="piper", options=options)
+    x, y = global_batch(0, 2 * world, cfg)
+    step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()  # compile outside the measurement
+    gathers = LiveStorageBytes(lambda op: op is torch.ops._c10d_functional.all_gather_into_tensor.default)
+    with around_tasks(gathers):
+        step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+    return {"peak_gathered": gathers.peak, "largest_layer": largest_layer, "all_params_padded": all_params,
+            "shard_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "full_bytes": full_bytes}

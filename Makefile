@@ -1,0 +1,28 @@
+# Two entry points that work on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.piper_fx_installed
+# Compile time is this machine's cost: one Inductor cache for every process and run.
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.inductor_cache
+
+.PHONY: venv test demo bench clean
+
+venv: $(STAMP)
+
+# torch is pinned exactly: the CPU build of 2.13.0 installs from a local file;
+# a looser pin would pull a multi-GB CUDA build.
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "torch==2.13.0" numpy pytest hypothesis
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q tests
+
+demo: venv
+	$(PY) examples/train_gpt.py --nproc 2 --strategy examples/strategies/zero3.json --steps 300 --debug-dir piper_debug
+
+clean:
+	rm -rf piper_debug .pytest_cache

@@ -1,0 +1,141 @@
+"""Every bad option is a PiperConfigError naming the key, before anything runs."""
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+import piper_fx
+from piper_fx import PiperConfigError, parse_options
+from ranks import RankFailed, run_ranks, run_ranks_collect
+
+
+@pytest.mark.parametrize("options, key", [
+    ({"zeroo": 1}, "zeroo"),
+    ({"zero": 4}, "zero"),
+    ({"zero": "1"}, "zero"),
+    ({"zero": True}, "zero"),
+    ({"codegen": "triton"}, "codegen"),
+    ({"bucket_mb": 0}, "bucket_mb"),
+    ({"bucket_mb": "25"}, "bucket_mb"),
+    ({"debug_dir": 3}, "debug_dir"),
+    ({"mesh": [2]}, "mesh"),
+    ({"mesh": {"dp": 0}}, "mesh.dp"),
+    ({"mesh": {"dp": 1.0}}, "mesh.dp"),
+    ({"mesh": {"tp": 2}}, "mesh.tp"),
+    ({"mesh": {"pp": 2, "dp": 1}}, "mesh.pp"),
+    ({"mesh": {"dp": 2}}, "mesh"),  # world size 1: no process group for 2 ranks
+])
+def test_bad_option_names_its_key(options, key):
+    with pytest.raises(PiperConfigError) as info:
+        parse_options(options)
+    assert info.value.key == key
+    assert str(info.value).startswith(f"options[{key!r}] = {info.value.value!r} is invalid: ")
+
+
+def test_options_must_be_a_dict():
+    with pytest.raises(PiperConfigError, match="a dict"):
+        parse_options(["zero", 1])
+
+
+def test_launched_world_without_process_group_is_an_error():
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2"}):
+        with pytest.raises(PiperConfigError, match="init_process_group"):
+            parse_options({})
+
+
+def test_defaults_at_world_size_one():
+    s = parse_options(None)
+    assert (s.dp, s.pp, s.zero, s.codegen, s.bucket_mb, s.world_size) == (1, 1, 0, "inductor", 25.0, 1)
+
+
+def test_bad_option_raised_from_compiled_call_unwrapped():
+    model = torch.nn.Linear(2, 1)
+    step = torch.compile(lambda x: model(x).sum(), backend="piper", options={"codegen": "nope"})
+    with pytest.raises(PiperConfigError, match="codegen"):
+        step(torch.randn(3, 2))
+
+
+def _mesh_mismatch(rank, world):
+    return parse_options({"mesh": {"dp": 3}})
+
+
+def test_mesh_not_matching_world_size():
+    with pytest.raises(RankFailed, match=r"pp \* dp must equal the world size 2"):
+        run_ranks(_mesh_mismatch, 2)
+
+
+def _one_rank_bad_options(rank, world):
+    options = {"zero": 7 if rank == 1 else 0, "codegen": "eager"}
+    try:
+        piper_fx.prepare(torch.nn.Linear(4, 4), options)
+    except PiperConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_rank_with_bad_options_stops_every_rank_with_its_name():
+    messages = run_ranks(_one_rank_bad_options, 2, deadline_s=60)
+    assert "zero" in messages[1]
+    assert "rank 1" in messages[0] and "zero" in messages[0]
+
+
+def _ranks_disagree(rank, world):
+    from piper_fx.options import parse_options_on_all_ranks
+    try:
+        parse_options_on_all_ranks({"zero": rank, "codegen": "eager"})
+    except PiperConfigError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_with_different_strategies_are_rejected():
+    for message in run_ranks(_ranks_disagree, 2, deadline_s=60):
+        assert "same strategy" in message and "rank 1" in message
+
+
+def _zero_without_prepare(rank, world):
+    model = torch.nn.Linear(4, 4)
+    step = torch.compile(lambda x: model(x).sum(), backend="piper", options={"zero": 3, "codegen": "eager"})
+    step(torch.randn(2, 4))
+
+
+def test_zero_without_prepare_is_an_error():
+    with pytest.raises(RankFailed, match="piper_fx.prepare"):
+        run_ranks(_zero_without_prepare, 2, deadline_s=60)
+
+
+def _prepare_twice_with_other_layout(rank, world):
+    model = torch.nn.Linear(4, 4)
+    piper_fx.prepare(model, {"zero": 3})
+    piper_fx.prepare(model, {"zero": 3})  # same layout: a no-op
+    piper_fx.prepare(model, {"zero": 0})
+
+
+def test_prepare_again_with_another_layout_is_an_error():
+    with pytest.raises(RankFailed, match="already prepared"):
+        run_ranks(_prepare_twice_with_other_layout, 2, deadline_s=60)
+
+
+def _rank_one_dies_mid_training(rank, world):
+    import time
+    model = torch.nn.Linear(4, 4)
+    options = {"codegen": "eager"}
+    step = torch.compile(lambda x: model(x).sum(), backend="piper", options=options)
+    step(torch.randn(2, 4)).backward()
+    if rank == 1:
+        raise RuntimeError("rank 1 lost its data loader")
+    start = time.monotonic()
+    try:
+        step(torch.randn(2, 4)).backward()  # its all-reduce waits for rank 1, which never comes
+    except RuntimeError as e:
+        return {"error": str(e), "waited": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_a_failing_rank_does_not_leave_its_peer_hanging():
+    outcomes = run_ranks_collect(_rank_one_dies_mid_training, 2, collective_timeout_s=5, deadline_s=90)
+    assert "rank 1 lost its data loader" in outcomes[1]["error"]
+    survivor = outcomes[0]["value"]
+    assert survivor["error"] is not None and "piper_fx rank 0" in survivor["error"], survivor
+    assert survivor["waited"] < 30, survivor
