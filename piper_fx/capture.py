@@ -51,6 +51,17 @@ def _input_role(example: object, is_buffer: bool) -> InputRole:
     return InputRole.BUFFER if is_buffer else InputRole.INPUT
 
 
+def decompositions_for(strategy: Strategy) -> dict | None:
+    """The ATen decompositions every graph (captured or spliced in by a pass) gets.
+
+    Inductor expects graphs decomposed with its own table; eager runs ATen as is.
+    """
+    if strategy.codegen != "inductor":
+        return None
+    from torch._inductor.decomposition import select_decomp_table
+    return select_decomp_table()
+
+
 def _check_static(example_inputs: list) -> None:
     for i, example in enumerate(example_inputs):
         if not isinstance(example, torch.Tensor):
@@ -68,13 +79,9 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     """
     _check_static(example_inputs)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in example_inputs)
-    decompositions = None
-    if strategy.codegen == "inductor":
-        from torch._inductor.decomposition import select_decomp_table
-        decompositions = select_decomp_table()
     with contextlib.ExitStack() as stack:
         exported = aot_export_joint_with_descriptors(
-            stack, gm, tuple(example_inputs), decompositions=decompositions)
+            stack, gm, tuple(example_inputs), decompositions=decompositions_for(strategy))
         joint = exported.graph_module
 
     dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -118,17 +125,14 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     if training:
         tangents = [i for i in inputs if i.role is InputRole.TANGENT]
         loss = next((o for o in outputs if o.role is OutputRole.LOSS), None)
-        if loss is None or len(tangents) != 1:
+        loss_val = next((n.meta["val"] for n in joint.graph.nodes if loss and n.name == loss.name), None)
+        if loss_val is None or len(tangents) != 1 or loss_val.numel() != 1:
+            shape = tuple(loss_val.shape) if loss_val is not None else None
             raise PiperError(
-                f"the compiled graph has {len(tangents)} differentiable outputs; piper_fx runs whole "
-                "training steps and needs the model to return its scalar loss first and nothing "
-                "else that requires grad. A graph break also splits the model: use fullgraph=True "
-                "to find it")
-        loss_node = next(n for n in joint.graph.nodes if n.name == loss.name)
-        if loss_node.meta["val"].numel() != 1:
-            raise PiperError(
-                f"the compiled graph's first output has shape {tuple(loss_node.meta['val'].shape)}; "
-                "piper_fx needs the model to return its scalar loss")
+                f"the compiled graph returns {len(tangents)} differentiable outputs, the first of shape "
+                f"{shape}; piper_fx runs whole training steps and needs the model to return its scalar "
+                "loss first and nothing else that requires grad. A graph break also splits the model "
+                "into graphs that do not end in the loss: compile with fullgraph=True to find it")
 
     # A flat calling convention (placeholders in, flat tuple out) for the passes.
     joint.graph._codegen = fx.graph.CodeGen()

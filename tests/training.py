@@ -114,3 +114,12 @@ def zero3_memory_worker(rank: int, world: int, zero: int) -> dict:
     return {"peak_gathered": gathers.peak, "largest_layer": largest_layer, "all_params_padded": all_params,
             "shard_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "full_bytes": full_bytes}
+
+
+def inductor_worker(rank: int, world: int, debug_root: str) -> dict:
+    """Every ZeRO level with Inductor code generation, against single-process training."""
+    results = {}
+    for zero in (0, 1, 2, 3):
+        options = {"zero": zero, "codegen": "inductor", "debug_dir": f"{debug_root}/zero{zero}"}
+        results[zero] = train_and_compare(rank, world, options, "sgd", steps=3)
+    return results

@@ -7,6 +7,7 @@ resulting ops, with their `val` metadata, into the graph being transformed.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -25,10 +26,19 @@ def insert_traced(
     before: fx.Node,
     like: fx.Node | None = None,
     meta: dict[str, Any] | None = None,
+    decompositions: dict | None = None,
 ) -> fx.Node:
-    """Insert the ops of `fn(*inputs)` before `before`; return the node of its result."""
+    """Insert the ops of `fn(*inputs)` before `before`; return the node of its result.
+
+    `decompositions` must be those the graph was captured with, so spliced ops
+    are as lowered as their neighbours.
+    """
     fake_inputs = [n.meta["val"] for n in inputs]
-    traced = make_fx(fn)(*fake_inputs)
+    # Trace inside the graph's own fake mode, so tensors the function creates
+    # (padding) are fake values of the same mode as their neighbours.
+    fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        traced = make_fx(fn, decomposition_table=decompositions)(*fake_inputs)
     env: dict[fx.Node, fx.Node] = {}
     remaining = iter(inputs)
     result = None

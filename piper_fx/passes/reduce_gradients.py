@@ -18,6 +18,7 @@ import functools
 
 import torch
 
+from ..capture import decompositions_for
 from ..collectives.emit import insert_traced
 from ..collectives.lowering import all_reduce_mean, all_reduce_then_take_rows, reduce_scatter_rows
 from ..ir import InputRole, OutputRole, TrainingDAG
@@ -39,13 +40,13 @@ def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:
                                    group_name=group_name)
             kind = "reduce_scatter"
         reduced = insert_traced(graph, fn, [marker.args[0]], before=marker, like=marker,
-                                meta={"piper_comm": f"{kind} grad"})
+                                decompositions=decompositions_for(strategy), meta={"piper_comm": f"{kind} grad"})
         marker.replace_all_uses_with(reduced)
         graph.erase_node(marker)
     dag.refresh_output_names()
 
 
-def _all_reduce_full_gradients(dag: TrainingDAG) -> None:
+def _all_reduce_full_gradients(dag: TrainingDAG, strategy: Strategy) -> None:
     graph = dag.joint.graph
     inputs_by_arg = {i.arg_index: i for i in dag.inputs if i.arg_index is not None}
     by_name = {n.name: n for n in graph.nodes}
@@ -55,7 +56,8 @@ def _all_reduce_full_gradients(dag: TrainingDAG) -> None:
         source = inputs_by_arg.get(out.index) if out.role is OutputRole.GRAD else None
         if source is not None and source.role is InputRole.PARAM:
             node = insert_traced(graph, functools.partial(all_reduce_mean, group_name=dag.dp_group), [node],
-                                 before=node.next, like=node, meta={"piper_comm": f"all_reduce grad {source.fqn}"})
+                                 before=node.next, like=node, decompositions=decompositions_for(strategy),
+                                 meta={"piper_comm": f"all_reduce grad {source.fqn}"})
         new_outputs.append(node)
     dag.set_outputs(new_outputs)
 
@@ -65,7 +67,7 @@ def reduce_gradients(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
         return dag
     _lower_markers(dag, strategy)
     if strategy.zero == 0:
-        _all_reduce_full_gradients(dag)
+        _all_reduce_full_gradients(dag, strategy)
     dag.joint.graph.lint()
     dag.joint.recompile()
     return dag

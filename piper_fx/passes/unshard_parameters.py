@@ -19,6 +19,7 @@ import functools
 import torch
 import torch.fx as fx
 
+from ..capture import decompositions_for
 from ..collectives.emit import insert_traced
 from ..collectives.lowering import gather_rows
 from ..ir import TrainingDAG, forward_nodes
@@ -27,25 +28,26 @@ from ..options import Strategy
 UNSHARD = torch.ops.piper.unshard.default
 
 
-def _gather_fn(marker: fx.Node, group_size: int):
-    _, full_shape, group_name = marker.args
-    return functools.partial(gather_rows, full_shape=list(full_shape), group_size=group_size, group_name=group_name)
+def _splice_gather(dag: TrainingDAG, strategy: Strategy, marker: fx.Node, *, before: fx.Node,
+                   like: fx.Node, phase: str) -> fx.Node:
+    """Insert the all-gather that rebuilds `marker`'s full parameter before `before`."""
+    shard, full_shape, group_name = marker.args
+    gather = functools.partial(gather_rows, full_shape=list(full_shape), group_size=strategy.dp,
+                               group_name=group_name)
+    fqn = dag.input_by_name()[shard.name].fqn
+    return insert_traced(dag.joint.graph, gather, [shard], before=before, like=like,
+                         decompositions=decompositions_for(strategy),
+                         meta={"piper_comm": f"all_gather {fqn} ({phase})"})
 
 
-def _comm_meta(dag: TrainingDAG, marker: fx.Node, phase: str) -> dict:
-    fqn = dag.input_by_name()[marker.args[0].name].fqn
-    return {"piper_comm": f"all_gather {fqn} ({phase})"}
-
-
-def _gather_once_per_step(dag: TrainingDAG, markers: list[fx.Node], group_size: int) -> None:
+def _gather_once_per_step(dag: TrainingDAG, strategy: Strategy, markers: list[fx.Node]) -> None:
     graph = dag.joint.graph
     top = next(n for n in graph.nodes if n.op != "placeholder")
     gathered: dict[fx.Node, fx.Node] = {}
     for marker in markers:
         shard = marker.args[0]
         if shard not in gathered:
-            gathered[shard] = insert_traced(graph, _gather_fn(marker, group_size), [shard], before=top,
-                                            like=marker, meta=_comm_meta(dag, marker, "step"))
+            gathered[shard] = _splice_gather(dag, strategy, marker, before=top, like=marker, phase="step")
         marker.replace_all_uses_with(gathered[shard])
         graph.erase_node(marker)
 
@@ -64,7 +66,7 @@ def _parameter_only_chain(marker: fx.Node, forward: set[fx.Node]) -> list[fx.Nod
     return chain
 
 
-def _gather_per_use(dag: TrainingDAG, markers: list[fx.Node], group_size: int) -> None:
+def _gather_per_use(dag: TrainingDAG, strategy: Strategy, markers: list[fx.Node]) -> None:
     graph = dag.joint.graph
     forward = forward_nodes(dag)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -73,17 +75,14 @@ def _gather_per_use(dag: TrainingDAG, markers: list[fx.Node], group_size: int) -
         backward_uses = [(user, node) for node in chain for user in node.users if user not in forward]
         if backward_uses:
             first_use = min((user for user, _ in backward_uses), key=order.__getitem__)
-            clones: dict[fx.Node, fx.Node] = {}
-            clones[marker] = insert_traced(graph, _gather_fn(marker, group_size), [marker.args[0]],
-                                           before=first_use, like=first_use,
-                                           meta=_comm_meta(dag, marker, "backward"))
+            clones = {marker: _splice_gather(dag, strategy, marker, before=first_use, like=first_use,
+                                             phase="backward")}
             with graph.inserting_before(first_use):
                 for node in chain[1:]:
                     clones[node] = graph.node_copy(node, lambda n: clones.get(n, n))
             for user, node in backward_uses:
                 user.replace_input_with(node, clones[node])
-        full = insert_traced(graph, _gather_fn(marker, group_size), [marker.args[0]], before=marker,
-                             like=marker, meta=_comm_meta(dag, marker, "forward"))
+        full = _splice_gather(dag, strategy, marker, before=marker, like=marker, phase="forward")
         marker.replace_all_uses_with(full)
         graph.erase_node(marker)
 
@@ -93,9 +92,9 @@ def unshard_parameters(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     if not markers:
         return dag
     if strategy.zero == 3:
-        _gather_per_use(dag, markers, strategy.dp)
+        _gather_per_use(dag, strategy, markers)
     else:
-        _gather_once_per_step(dag, markers, strategy.dp)
+        _gather_once_per_step(dag, strategy, markers)
     dag.joint.graph.lint()
     dag.joint.recompile()
     return dag

@@ -97,10 +97,23 @@ def infer_spec(mesh: DeviceMesh, node: fx.Node) -> Any:
     try:
         return _propagate_with_dtensor(mesh, node)
     except Exception:
-        # An op without a DTensor rule: keep the graph, show the gap in the dumps.
-        if any(isinstance(s, Partial) for s in inputs):
-            return Partial("avg")
+        return _batch_preserving_fallback(node, inputs)
+
+
+def _batch_preserving_fallback(node: fx.Node, inputs: list[Any]) -> Any:
+    """For ops DTensor has no rule for (e.g. CPU flash attention): an op whose
+    sharded inputs are all batch-sharded and whose outputs all keep that batch
+    size as dim 0 acts row by row, so its outputs are `Shard(0)` too. Anything
+    else is shown as unknown in the dumps rather than guessed."""
+    sharded = [(a, s) for a, s in zip(node.all_input_nodes, inputs) if not isinstance(s, Replicate)]
+    if not sharded or any(s != Shard(0) for _, s in sharded):
         return UNKNOWN
+    batch = sharded[0][0].meta["val"].shape[0]
+    val = node.meta.get("val")
+    outs = val if isinstance(val, (tuple, list)) else (val,)
+    if all(isinstance(o, torch.Tensor) and o.dim() >= 1 and o.shape[0] == batch for o in outs):
+        return tuple(Shard(0) for _ in outs) if isinstance(val, (tuple, list)) else Shard(0)
+    return UNKNOWN
 
 
 def propagate(graph: fx.Graph, seeds: dict[str, Placement], mesh: DeviceMesh) -> None:

@@ -1,0 +1,115 @@
+"""The `piper` backend at world size 1: contract details, dumps, errors."""
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import piper_fx
+from examples.gpt import GPT, GPTConfig
+from piper_fx import PiperError
+from training import SMALL, global_batch
+
+EAGER = {"codegen": "eager"}
+
+
+def _model(tied=True):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**SMALL, tied_embeddings=tied))
+
+
+def test_backend_name_resolves_through_the_entry_point_without_import():
+    code = ("import torch, sys\n"
+            "from torch._dynamo.backends.registry import lookup_backend\n"
+            "assert 'piper_fx' not in sys.modules\n"
+            "print(lookup_backend('piper').__module__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "piper_fx.backend"
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_world_size_one_trains_like_eager(zero):
+    model, reference = _model(), _model()
+    options = {**EAGER, "zero": zero}
+    piper_fx.prepare(model, options)  # a no-op at dp = 1
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    step = torch.compile(model, backend="piper", options=options)
+    for i in range(3):
+        x, y = global_batch(i, 2, model.cfg)
+        loss, ref_loss = step(x, y), reference(x, y)
+        loss.backward()
+        ref_loss.backward()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_seed_scaling_and_accumulation_follow_autograd():
+    model, reference = _model(tied=False), _model(tied=False)
+    step = torch.compile(model, backend="piper", options=EAGER)
+    x, y = global_batch(0, 2, model.cfg)
+    x2, y2 = global_batch(1, 2, model.cfg)
+    (3.0 * step(x, y)).backward()
+    step(x2, y2).backward()  # a second call before the optimizer step accumulates
+    (3.0 * reference(x, y)).backward()
+    reference(x2, y2).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_inference_under_no_grad_runs_forward_only():
+    model = _model()
+    step = torch.compile(model, backend="piper", options=EAGER)
+    x, y = global_batch(0, 2, model.cfg)
+    with torch.no_grad():
+        loss = step(x, y)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, model(x, y).detach())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_non_scalar_output_is_refused():
+    layer = torch.nn.Linear(3, 3)
+    with pytest.raises(PiperError, match="scalar loss"):
+        torch.compile(layer, backend="piper", options=EAGER)(torch.randn(2, 3))
+
+
+def test_graph_break_is_refused_with_a_hint():
+    layer = torch.nn.Linear(3, 3)
+
+    def broken(x):
+        h = layer(x)
+        torch._dynamo.graph_break()
+        return h.sum()
+
+    with pytest.raises(PiperError, match="fullgraph"):
+        torch.compile(broken, backend="piper", options=EAGER)(torch.randn(2, 3))
+
+
+def test_debug_dumps_show_every_stage(tmp_path):
+    model = _model()
+    step = torch.compile(model, backend="piper", options={**EAGER, "debug_dir": str(tmp_path)})
+    x, y = global_batch(0, 2, model.cfg)
+    step(x, y).backward()
+    (graph_dir,) = (tmp_path / "rank0").iterdir()
+    names = {p.relative_to(graph_dir).as_posix() for p in graph_dir.rglob("*") if p.is_file()}
+    for expected in ["00_dynamo_graph.py", "01_joint_graph.py", "placement_table.txt", "program.txt",
+                     "codegen/F.py", "codegen/B.py", "passes/02_unshard_parameters.py",
+                     "passes/04_propagate_placements.py", "passes/05_split_forward_backward.py"]:
+        assert expected in names, (expected, sorted(names))
+    table = (graph_dir / "placement_table.txt").read_text()
+    assert "dp:S(0)" in table and "dp:R" in table and "dp:P(" in table
+    program = (graph_dir / "program.txt").read_text()
+    assert " F " in program and " B " in program
+
+
+def test_prepared_model_still_runs_eagerly_and_state_dict_has_original_names():
+    model = _model()
+    expected = copy.deepcopy(model.state_dict())
+    state = piper_fx.full_state_dict(model)
+    assert state.keys() == expected.keys()
+    for k in expected:
+        torch.testing.assert_close(state[k], expected[k])
