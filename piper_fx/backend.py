@@ -23,6 +23,7 @@ from .prepare import check_prepared
 from .runtime.executor import ProgramExecutor
 from .runtime.step import CompiledStep
 from .sharding.mesh import dp_group_name
+from .sharding.replicas import broadcast_from_first_replica
 from .sharding.row_shard import sharded_parameter_info
 from .sharding.specs import placement_table
 
@@ -33,9 +34,14 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     plain = sum(isinstance(t, nn.Parameter) and sharded_parameter_info(t) is None for t in example_inputs)
     check_prepared(strategy, sharded, plain)
 
+    group_name = dp_group_name(strategy)
     dump = DebugDump(strategy.debug_dir, strategy.rank)
     dump.write("00_dynamo_graph.py", gm.print_readable(print_output=False))
-    dag = capture(gm, example_inputs, strategy, dp_group_name(strategy))
+    dag = capture(gm, example_inputs, strategy, group_name)
+    # Replicated parameters and buffers the model was compiled with, without
+    # `prepare`: start every replica from the first one's values, as DDP does.
+    replicated = [i.arg_index for i in dag.inputs if i.role in (InputRole.PARAM, InputRole.BUFFER)]
+    broadcast_from_first_replica([example_inputs[i] for i in replicated], group_name)
     dump.write("01_joint_graph.py", dag.joint.print_readable(print_output=False))
 
     def after_pass(index: int, name: str, dag) -> None:

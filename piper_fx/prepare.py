@@ -12,6 +12,7 @@ from torch import nn
 from .errors import PiperConfigError
 from .options import Strategy, parse_options_on_all_ranks
 from .sharding.mesh import dp_group_name
+from .sharding.replicas import broadcast_from_first_replica
 from .sharding.row_shard import shard_parameters
 
 _LAYOUT_ATTR = "_piper_layout_key"
@@ -22,8 +23,9 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
 
     With ZeRO >= 1 over dp > 1 ranks every parameter becomes its 1/dp row shard
     (a new `nn.Parameter`; build the optimizer afterwards, as with FSDP2).
-    Otherwise nothing changes. Calling it again with the same layout is a no-op.
-    Collective when it shards: every rank must call it.
+    Otherwise the layout does not change. Calling it again with the same layout
+    is a no-op. With dp > 1 it first gives every replica the first replica's
+    parameters and buffers, as DDP does, so it is collective: every rank must call it.
     """
     strategy = parse_options_on_all_ranks(options)
     applied = prepared_layout(model)
@@ -34,8 +36,10 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
                 f"the model was already prepared for a different layout {applied}; "
                 "build a fresh model to change mesh or ZeRO sharding")
         return model
+    group_name = dp_group_name(strategy)
+    broadcast_from_first_replica([*model.parameters(), *model.buffers()], group_name)
     if strategy.shards_parameters:
-        shard_parameters(model, dp_group_name(strategy), strategy.dp, strategy.dp_index)
+        shard_parameters(model, group_name, strategy.dp, strategy.dp_index)
     setattr(model, _LAYOUT_ATTR, strategy.layout_key())
     return model
 

@@ -2,7 +2,7 @@
 import pytest
 
 from ranks import run_ranks
-from training import parity_worker
+from training import parity_worker, unsynchronized_init_worker
 
 LOSS_RTOL = 1e-5
 SGD_PARAM_RTOL = 1e-5
@@ -33,3 +33,10 @@ def test_training_matches_single_process(world, zero):
                 padding = states_per_param * (run["local_param_bytes"] - run["full_param_bytes"] / world)
                 assert state <= full_state / world * 1.10 + padding, (rank, name, state, full_state)
                 assert state >= full_state / world, (rank, name, state, full_state)
+
+
+@pytest.mark.parametrize("zero, call_prepare", [(0, False), (3, True)])
+def test_replicas_start_from_the_first_ranks_parameters_like_ddp(zero, call_prepare):
+    for rank, run in enumerate(run_ranks(unsynchronized_init_worker, 2, zero, call_prepare)):
+        assert max(run["loss_errors"]) < LOSS_RTOL, (rank, run["loss_errors"])
+        assert max(run["param_errors"].values()) < SGD_PARAM_RTOL, rank

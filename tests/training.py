@@ -1,8 +1,6 @@
 """Per-rank training loops compared against single-process training (run inside `run_ranks`)."""
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.distributed as dist
 
@@ -39,13 +37,20 @@ def optimizer_state_bytes(opt) -> int:
 
 
 def train_and_compare(rank: int, world: int, options: dict, optimizer: str, steps: int = 5,
-                      tied: bool = True, per_rank_batch: int = 2) -> dict:
-    """Train with piper_fx on this rank's shard and, alongside, one model on the global batch."""
+                      tied: bool = True, per_rank_batch: int = 2, same_init: bool = True,
+                      call_prepare: bool = True) -> dict:
+    """Train with piper_fx on this rank's shard and, alongside, one model on the global batch.
+
+    With `same_init=False` each rank initializes its own model from its own seed;
+    the reference starts from rank 0's, which every replica must adopt.
+    """
     cfg = GPTConfig(**SMALL, tied_embeddings=tied)
     torch.manual_seed(0)
+    reference = GPT(cfg)
+    torch.manual_seed(0 if same_init else rank)
     model = GPT(cfg)
-    reference = copy.deepcopy(model)
-    piper_fx.prepare(model, options)
+    if call_prepare:
+        piper_fx.prepare(model, options)
     opt = make_optimizer(optimizer, model.parameters())
     ref_opt = make_optimizer(optimizer, reference.parameters())
     step = torch.compile(model, backend="piper", options=options)
@@ -123,3 +128,8 @@ def inductor_worker(rank: int, world: int, debug_root: str) -> dict:
         options = {"zero": zero, "codegen": "inductor", "debug_dir": f"{debug_root}/zero{zero}"}
         results[zero] = train_and_compare(rank, world, options, "sgd", steps=3)
     return results
+
+
+def unsynchronized_init_worker(rank: int, world: int, zero: int, call_prepare: bool) -> dict:
+    options = {"zero": zero, "codegen": "eager"}
+    return train_and_compare(rank, world, options, "sgd", steps=2, same_init=False, call_prepare=call_prepare)

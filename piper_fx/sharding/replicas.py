@@ -1,0 +1,29 @@
+"""Start every data-parallel replica from the same values, as DDP does.
+
+DDP broadcasts rank 0's parameters and buffers when it wraps a model, so
+replicas that were initialized differently (no common seed) still train as one
+model. piper_fx does the same: `prepare` before it shards, and the backend for
+parameters it has not seen synchronized yet (a model compiled without `prepare`).
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+_SYNCED_ATTR = "_piper_replicas_synced"
+
+
+@torch.no_grad()
+def broadcast_from_first_replica(tensors: Iterable[torch.Tensor], group_name: str | None) -> None:
+    """Overwrite `tensors` with the values of the dp group's first rank (collective), once each."""
+    if group_name is None:
+        return
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    source = dist.get_global_rank(group, 0)
+    for tensor in tensors:
+        if getattr(tensor, _SYNCED_ATTR, False):
+            continue
+        dist.broadcast(tensor.data, src=source, group=group)
+        setattr(tensor, _SYNCED_ATTR, True)
