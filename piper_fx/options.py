@@ -91,7 +91,7 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
             raise PiperConfigError(key, options[key], f"unknown option; valid options are {list(TOP_LEVEL_KEYS)}")
 
     world_size, rank = _process_group_world()
-    launched_world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    launched_world = 1 if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1)
 
     mesh = options.get("mesh", {})
     if not isinstance(mesh, Mapping):
@@ -106,7 +106,7 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
         raise PiperConfigError("mesh.pp", pp, "1: pipeline parallelism is not available in this version")
     dp = mesh.get("dp", world_size // pp)
 
-    if world_size == 1 and (dp * pp > 1 or launched_world > 1):
+    if not dist.is_initialized() and (dp * pp > 1 or launched_world > 1):
         raise PiperConfigError(
             "mesh", dict(mesh) or {"dp": dp},
             f"a mesh of size {max(dp * pp, launched_world)} needs an initialized process group "

@@ -40,3 +40,9 @@ def test_replicas_start_from_the_first_ranks_parameters_like_ddp(zero, call_prep
     for rank, run in enumerate(run_ranks(unsynchronized_init_worker, 2, zero, call_prepare)):
         assert max(run["loss_errors"]) < LOSS_RTOL, (rank, run["loss_errors"])
         assert max(run["param_errors"].values()) < SGD_PARAM_RTOL, rank
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_graph_starting_with_a_parameter_read(zero):
+    from training import first_op_reads_a_parameter_worker
+    assert max(run_ranks(first_op_reads_a_parameter_worker, 2, zero)) < 1e-6

@@ -1,6 +1,8 @@
 """Per-rank training loops compared against single-process training (run inside `run_ranks`)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 
@@ -133,3 +135,20 @@ def inductor_worker(rank: int, world: int, debug_root: str) -> dict:
 def unsynchronized_init_worker(rank: int, world: int, zero: int, call_prepare: bool) -> dict:
     options = {"zero": zero, "codegen": "eager"}
     return train_and_compare(rank, world, options, "sgd", steps=2, same_init=False, call_prepare=call_prepare)
+
+
+def first_op_reads_a_parameter_worker(rank: int, world: int, zero: int) -> float:
+    """A graph whose very first op is a parameter read (no op precedes the all-gather)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    reference = copy.deepcopy(model)
+    options = {"zero": zero, "codegen": "eager"}
+    piper_fx.prepare(model, options)
+    step = torch.compile(lambda x: model(x).square().mean(), backend="piper", options=options)
+    x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(0))
+    step(x.chunk(world)[rank]).backward()
+    reference(x).square().mean().backward()
+    shard_grad = model.parametrizations.weight.original.grad
+    full_grad = torch.cat([torch.zeros_like(shard_grad) for _ in range(world)])
+    dist.all_gather_into_tensor(full_grad, shard_grad.contiguous())
+    return relative_error(full_grad[:3], reference.weight.grad)

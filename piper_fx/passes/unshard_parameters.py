@@ -44,11 +44,12 @@ def _gather_once_per_step(dag: TrainingDAG, strategy: Strategy, markers: list[fx
     graph = dag.joint.graph
     top = next(n for n in graph.nodes if n.op != "placeholder")
     gathered: dict[fx.Node, fx.Node] = {}
-    for marker in markers:
+    for marker in markers:  # all gathers first: `top` may itself be a marker erased below
         shard = marker.args[0]
         if shard not in gathered:
             gathered[shard] = _splice_gather(dag, strategy, marker, before=top, like=marker, phase="step")
-        marker.replace_all_uses_with(gathered[shard])
+    for marker in markers:
+        marker.replace_all_uses_with(gathered[marker.args[0]])
         graph.erase_node(marker)
 
 

@@ -1,0 +1,226 @@
+"""Train the example GPT on a docstring corpus with a piper_fx strategy.
+
+    python examples/train_gpt.py --nproc 2 --strategy examples/strategies/zero3.json --steps 300
+    torchrun --nproc-per-node 2 examples/train_gpt.py --strategy examples/strategies/zero3.json
+
+Run plainly, it spawns `--nproc` ranks itself (gloo, file rendezvous); under
+torchrun (RANK and WORLD_SIZE set) it is one rank. Each rank trains on its
+data-parallel shard of the global batch; rank 0 reports the loss averaged over
+ranks, and at the end samples text from the gathered weights in a plain
+single-process GPT, outside piper_fx.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Runnable from a checkout without `pip install`: `piper_fx` and `examples` import from ROOT.
+sys.path.insert(0, str(ROOT))
+# Set before torch is imported, so every rank (and every run) shares one Inductor
+# cache: after the first run, compiling costs seconds instead of a minute.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor_cache"))
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import piper_fx
+from examples.data import CharTokenizer, batches, load_corpus
+from examples.gpt import GPT, GPTConfig
+
+LEARNING_RATE = 3e-3
+PRINT_EVERY = 25
+LOSS_WINDOW = 50
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+SAMPLE_PROMPT = "Return the "
+SAMPLE_CHARS = 200
+SAMPLE_TEMPERATURE = 0.8
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=positive_int, default=2,
+                        help="ranks to spawn (ignored under torchrun, which sets the world size)")
+    parser.add_argument("--strategy", type=Path, default=ROOT / "examples" / "strategies" / "zero3.json",
+                        help="JSON file of piper_fx options")
+    parser.add_argument("--steps", type=positive_int, default=300)
+    parser.add_argument("--debug-dir", default="piper_debug", help="where piper_fx writes its debug dumps")
+    parser.add_argument("--codegen", choices=["inductor", "eager"], help="overrides the strategy's codegen")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="global batch, split over dp ranks")
+    parser.add_argument("--block-size", type=positive_int, default=64, help="tokens per sequence")
+    return parser.parse_args()
+
+
+def strategy_options(args: argparse.Namespace, world_size: int) -> dict:
+    """The strategy file's options, completed by the command line."""
+    options = json.loads(args.strategy.read_text())
+    options.setdefault("mesh", {}).setdefault("dp", world_size)
+    if args.codegen is not None:
+        options["codegen"] = args.codegen
+    options["debug_dir"] = os.path.abspath(args.debug_dir)
+    return options
+
+
+def sample(state: dict[str, torch.Tensor], cfg: GPTConfig, tokenizer: CharTokenizer,
+           prompt_tokens: torch.Tensor, length: int) -> torch.Tensor:
+    """Continue the prompt by sampling from a plain eager GPT loaded with `state`."""
+    model = GPT(cfg)
+    model.load_state_dict(state)
+    model.eval()
+    # GPT.forward returns only the loss; the next-token logits are taken from lm_head.
+    last_logits: list[torch.Tensor] = []
+    model.lm_head.register_forward_hook(lambda module, inputs, output: last_logits.append(output[0, -1]))
+    generator = torch.Generator().manual_seed(0)
+    tokens = prompt_tokens
+    with torch.no_grad():
+        for _ in range(length):
+            context = tokens[-cfg.block_size:].unsqueeze(0)
+            model(context, torch.zeros_like(context))
+            probs = torch.softmax(last_logits.pop() / SAMPLE_TEMPERATURE, dim=-1)
+            tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)])
+    return tokens
+
+
+def eval_loss(state: dict[str, torch.Tensor], cfg: GPTConfig, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The loss of a plain eager GPT loaded with `state`: checks the gathered weights are the trained ones."""
+    model = GPT(cfg)
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(x, y).item()
+
+
+def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
+    """One rank's training run; expects the process group to be initialized."""
+    # Two cores shared by all ranks: more intra-op threads only oversubscribe them.
+    torch.set_num_threads(1)
+    text = load_corpus()
+    tokenizer = CharTokenizer(text)
+    tokens = tokenizer.encode(text)
+    options = strategy_options(args, world_size)
+    strategy = piper_fx.parse_options(options)
+
+    cfg = GPTConfig(vocab_size=len(tokenizer), block_size=args.block_size, n_layer=2, n_head=4, n_embd=64)
+    torch.manual_seed(0)  # every rank builds the same initial weights
+    model = GPT(cfg)
+    piper_fx.prepare(model, options)
+    opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    step = torch.compile(model, backend="piper", options=options)
+
+    if rank == 0:
+        print(f"{world_size} ranks, options {options}\ncorpus {len(text)} chars, vocab {len(tokenizer)}, "
+              f"global batch {args.batch_size} x {args.block_size} tokens", flush=True)
+    losses: list[float] = []
+    start = last_time = time.perf_counter()
+    last_step = 0
+    for i in range(args.steps):
+        x, y = batches(tokens, args.batch_size, args.block_size, i, strategy.dp_index, strategy.dp)
+        loss = step(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+        # Each rank's loss is its replica's shard mean; equal shards make the
+        # mean over ranks the loss of the global batch.
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        losses.append(mean_loss.item() / world_size)
+        done = i + 1
+        if done == 1:
+            first_step_s = time.perf_counter() - start
+        # Step 1 is reported too: its time is mostly compilation.
+        if rank == 0 and (done == 1 or done % PRINT_EVERY == 0 or done == args.steps):
+            now = time.perf_counter()
+            tokens_per_s = (done - last_step) * args.batch_size * args.block_size / (now - last_time)
+            print(f"step {done:5d}  loss {losses[-1]:.4f}  {tokens_per_s:8.0f} tokens/s  "
+                  f"{now - start:7.1f}s elapsed", flush=True)
+            last_time, last_step = now, done
+    total_s = time.perf_counter() - start
+
+    state = piper_fx.full_state_dict(model)  # collective: every rank takes part
+    if rank != 0:
+        return
+    window = max(1, min(LOSS_WINDOW, args.steps // 2))
+    print(f"mean loss: first {window} steps {statistics.fmean(losses[:window]):.4f} -> "
+          f"last {window} steps {statistics.fmean(losses[-window:]):.4f}")
+    steady = f", then {(total_s - first_step_s) / (args.steps - 1) * 1000:.0f} ms/step" if args.steps > 1 else ""
+    print(f"total time {total_s:.1f}s for {args.steps} steps (first step {first_step_s:.1f}s with compilation{steady})")
+    print(f"debug dumps: {options['debug_dir']}")
+    # A global batch no step trained on, through plain single-process PyTorch.
+    x, y = batches(tokens, args.batch_size, args.block_size, args.steps, 0, 1)
+    print(f"gathered weights in a single-process GPT: loss {eval_loss(state, cfg, x, y):.4f} on an unseen batch")
+    text = tokenizer.decode(sample(state, cfg, tokenizer, tokenizer.encode(SAMPLE_PROMPT), SAMPLE_CHARS))
+    print(f"sample (temperature {SAMPLE_TEMPERATURE}):\n{text}", flush=True)
+
+
+def run_rank(rank: int, world_size: int, init_method: str, args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    try:
+        train(rank, world_size, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawned_rank(rank: int, world_size: int, init_method: str, args: argparse.Namespace) -> None:
+    # What torchrun would set; piper_fx checks the launched world size against the group's.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    run_rank(rank, world_size, init_method, args)
+
+
+def spawn_ranks(args: argparse.Namespace) -> str | None:
+    """Run `args.nproc` ranks to completion; on the first failure stop the rest and say which rank failed."""
+    load_corpus()  # build the cache here, once, rather than in every rank
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+        procs = [ctx.Process(target=spawned_rank, args=(rank, args.nproc, init_method, args), name=f"rank{rank}")
+                 for rank in range(args.nproc)]
+        for proc in procs:
+            proc.start()
+        try:
+            running = dict(enumerate(procs))
+            while running:
+                wait([proc.sentinel for proc in running.values()])
+                for rank, proc in list(running.items()):
+                    if proc.exitcode is None:
+                        continue
+                    del running[rank]
+                    if proc.exitcode != 0:
+                        # Its peers would otherwise wait in a collective until the timeout.
+                        return f"rank {rank} failed with exit code {proc.exitcode}; stopped the other ranks"
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in procs:
+                proc.join()
+    return None
+
+
+def main() -> None:
+    args = parse_args()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args)
+    else:
+        sys.exit(spawn_ranks(args))
+
+
+if __name__ == "__main__":
+    main()
