@@ -4,6 +4,7 @@ Nothing in it knows about piper_fx; the strategy is applied from outside.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tied_embeddings:
             self.lm_head.weight = self.wte.weight
+        # What each block runs inside: a strategy may tag blocks as regions,
+        # e.g. `model.block_context = lambda: piper_fx.annotate("PP")`.
+        self.block_context = contextlib.nullcontext
         self.apply(self._init)
 
     @staticmethod
@@ -74,6 +78,7 @@ class GPT(nn.Module):
         positions = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(positions)
         for block in self.blocks:
-            x = block(x)
+            with self.block_context():
+                x = block(x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

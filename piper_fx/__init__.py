@@ -5,13 +5,16 @@
     loss = step(x, y); loss.backward(); opt.step()
     state = piper_fx.full_state_dict(model)
 """
+from .annotate import annotate
 from .backend import piper_backend, register as _register
 from .errors import PiperConfigError, PiperError
 from .options import Strategy, parse_options
 from .prepare import prepare
+from .runtime.executor import last_step_stats
 from .state_dict import full_state_dict
+from . import schedules
 
 _register()
 
-__all__ = ["PiperConfigError", "PiperError", "Strategy", "full_state_dict", "parse_options",
-           "piper_backend", "prepare"]
+__all__ = ["annotate", "PiperConfigError", "PiperError", "Strategy", "full_state_dict", "parse_options",
+           "last_step_stats", "piper_backend", "prepare", "schedules"]

@@ -16,35 +16,30 @@ from torch import nn
 from .capture import capture
 from .codegen import compile_program
 from .debug import DebugDump
-from .ir import InputRole
-from .options import parse_options_on_all_ranks
+from .ir import InputRole, TrainingDAG
+from .options import Strategy, parse_options_on_all_ranks
 from .passes import run_passes
 from .prepare import check_prepared
 from .runtime.executor import ProgramExecutor
 from .runtime.step import CompiledStep
-from .sharding.mesh import dp_group_name
+from .schedules import svg, text_grid
+from .sharding.mesh import dp_group_name, pp_group_name
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.row_shard import sharded_parameter_info
 from .sharding.specs import placement_table
+from .state_dict import mark_pipeline_owner
 
 
-def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
-    strategy = parse_options_on_all_ranks(options)
-    sharded = sum(sharded_parameter_info(t) is not None for t in example_inputs)
-    plain = sum(isinstance(t, nn.Parameter) and sharded_parameter_info(t) is None for t in example_inputs)
-    check_prepared(strategy, sharded, plain)
-
-    group_name = dp_group_name(strategy)
-    dump = DebugDump(strategy.debug_dir, strategy.rank)
+def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: DebugDump | None = None) -> TrainingDAG:
+    """Capture `gm` and run the strategy passes: the DAG with the programs of this
+    rank's pipeline (every rank with `strategy`'s data-parallel index). Needs the
+    process group only for group names, so a fake one plans any world size."""
+    dump = dump or DebugDump(None, strategy.rank)
     dump.write("00_dynamo_graph.py", gm.print_readable(print_output=False))
-    dag = capture(gm, example_inputs, strategy, group_name)
-    # Replicated parameters and buffers the model was compiled with, without
-    # `prepare`: start every replica from the first one's values, as DDP does.
-    replicated = [i.arg_index for i in dag.inputs if i.role in (InputRole.PARAM, InputRole.BUFFER)]
-    broadcast_from_first_replica([example_inputs[i] for i in replicated], group_name)
+    dag = capture(gm, example_inputs, strategy, dp_group_name(strategy))
     dump.write("01_joint_graph.py", dag.joint.print_readable(print_output=False))
 
-    def after_pass(index: int, name: str, dag) -> None:
+    def after_pass(index: int, name: str, dag: TrainingDAG) -> None:
         if not dump.enabled:
             return
         if dag.tasks:
@@ -55,14 +50,35 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
         if name == "propagate_placements":
             dump.write("placement_table.txt", placement_table(dag.joint.graph))
 
-    dag = run_passes(dag, strategy, after_pass)
+    return run_passes(dag, strategy, after_pass)
+
+
+def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
+    strategy = parse_options_on_all_ranks(options)
+    sharded = sum(sharded_parameter_info(t) is not None for t in example_inputs)
+    plain = sum(isinstance(t, nn.Parameter) and sharded_parameter_info(t) is None for t in example_inputs)
+    check_prepared(strategy, sharded, plain)
+
+    dump = DebugDump(strategy.debug_dir, strategy.rank)
+    dag = plan(gm, example_inputs, strategy, dump)
+    # Replicated parameters and buffers the model was compiled with, without
+    # `prepare`: start every replica from the first one's values, as DDP does.
+    replicated = [i.arg_index for i in dag.inputs if i.role in (InputRole.PARAM, InputRole.BUFFER)]
+    broadcast_from_first_replica([example_inputs[i] for i in replicated], dag.dp_group)
+    if strategy.pp > 1:
+        for graph_input in dag.inputs:
+            if graph_input.name in dag.parameter_owner:
+                mark_pipeline_owner(example_inputs[graph_input.arg_index], dag.parameter_owner[graph_input.name],
+                                    pp_group_name(strategy))
     program = dag.programs[strategy.rank]
     dump.write("program.txt", program.render())
+    dump.write("schedule.txt", text_grid(dag.schedule))
+    dump.write("schedule.svg", svg(dag.schedule))
     compiled = compile_program(program, strategy.codegen, dump)
 
     seed = next((i for i in dag.inputs if i.role is InputRole.TANGENT), None)
     seed_val = dag.placeholders()[seed.name].meta["val"] if seed is not None else None
-    num_user_outputs = len([n for n in gm.graph.find_nodes(op="output")[0].args[0]])
+    num_user_outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
     return CompiledStep(
         ProgramExecutor(program, compiled), dag.inputs, dag.outputs,
         seed_val.shape if seed_val is not None else None,

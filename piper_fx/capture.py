@@ -62,12 +62,45 @@ def decompositions_for(strategy: Strategy) -> dict | None:
     return select_decomp_table()
 
 
-def _check_static(example_inputs: list) -> None:
-    for i, example in enumerate(example_inputs):
+def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbatches: int):
+    """Make `gm` static at microbatch size; return (gm, example inputs, their original indices).
+
+    With a pipeline, `prepare` marks dim 0 of the model's tensor arguments
+    dynamic, so Dynamo hands over the batch sizes as SymInt inputs. Each is
+    replaced by its microbatch size (the full size / microbatches) and each
+    batch argument by its first microbatch, so AOTAutograd traces one
+    microbatch's static graph, which serves every microbatch.
+    """
+    # A copy: Dynamo calls the compiled function by the placeholders of its own graph.
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    gm = fx.GraphModule(gm, graph)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    kept, args = [], []
+    for index, (node, example) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(example, torch.SymInt):
+            size = example.node.hint
+            if size % microbatches:
+                raise PiperError(f"a batch of {size} does not split into {microbatches} microbatches "
+                                 "(options['pipeline']['microbatches'])")
+            for user in list(node.users):
+                user.args = fx.node.map_arg(user.args, lambda n: size // microbatches if n is node else n)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda n: size // microbatches if n is node else n)
+            gm.graph.erase_node(node)
+            continue
         if not isinstance(example, torch.Tensor):
-            raise PiperError(
-                f"compiled argument {i} is {type(example).__name__}, not a tensor: piper_fx compiles "
-                "static shapes; pass dynamic=False to torch.compile and keep batch shapes fixed")
+            raise PiperError(f"compiled argument {index} is {type(example).__name__}: piper_fx compiles "
+                             "tensor arguments only")
+        if microbatches > 1 and not isinstance(example, nn.Parameter) and not _fqn_from_source(node)[1]:
+            if example.dim() == 0 or example.shape[0] % microbatches:
+                raise PiperError(f"compiled argument {index} has shape {tuple(example.shape)}: its dim 0 must "
+                                 f"split into {microbatches} microbatches")
+            example = example.chunk(microbatches)[0]
+        kept.append(index)
+        args.append(example)
+    gm.recompile()
+    return gm, args, kept
 
 
 def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_group: str | None) -> TrainingDAG:
@@ -77,14 +110,17 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     the scalar loss when training. Guarantees: a `TrainingDAG` whose joint graph
     takes its placeholders in order and returns exactly `dag.outputs` as a flat tuple.
     """
-    _check_static(example_inputs)
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in example_inputs)
-    with contextlib.ExitStack() as stack:
+    dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    gm, traced_inputs, arg_indices = _specialize_to_microbatch(gm, example_inputs, strategy.microbatches)
+    dynamo_placeholders = [dynamo_placeholders[i] for i in arg_indices]
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in traced_inputs)
+    # Our own static fake mode, not Dynamo's: the microbatch graph must add no
+    # symbols (and so no guards) to the frame Dynamo is compiling.
+    with contextlib.ExitStack() as stack, torch._guards.tracing(None):
         exported = aot_export_joint_with_descriptors(
-            stack, gm, tuple(example_inputs), decompositions=decompositions_for(strategy))
+            stack, gm, tuple(traced_inputs), decompositions=decompositions_for(strategy))
         joint = exported.graph_module
 
-    dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs: list[GraphInput] = []
     for node in joint.graph.nodes:
         if node.op != "placeholder":
@@ -93,13 +129,13 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
         if isinstance(desc, aot_desc.TangentAOTInput):
             inputs.append(GraphInput(node.name, InputRole.TANGENT, None))
         elif isinstance(desc, aot_desc.PlainAOTInput):
-            example = example_inputs[desc.idx]
+            example = traced_inputs[desc.idx]
             fqn, is_buffer = _fqn_from_source(dynamo_placeholders[desc.idx])
             role = _input_role(example, is_buffer)
             sharded = sharded_parameter_info(example)
             if sharded is not None:
                 fqn = sharded.fqns[0]
-            inputs.append(GraphInput(node.name, role, desc.idx, fqn, sharded))
+            inputs.append(GraphInput(node.name, role, arg_indices[desc.idx], fqn, sharded))
         else:
             raise PiperError(f"unsupported joint-graph input {node.name}: {desc}")
 
@@ -114,10 +150,10 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
             role = OutputRole.LOSS if training and desc.idx == 0 else OutputRole.OUTPUT
             outputs.append(GraphOutput(value.name, role, desc.idx))
         elif isinstance(desc, aot_desc.GradAOTOutput) and isinstance(desc.grad_of, aot_desc.PlainAOTInput):
-            outputs.append(GraphOutput(value.name, OutputRole.GRAD, desc.grad_of.idx))
+            outputs.append(GraphOutput(value.name, OutputRole.GRAD, arg_indices[desc.grad_of.idx]))
         elif isinstance(desc, aot_desc.InputMutationAOTOutput) and isinstance(
                 desc.mutated_input, aot_desc.PlainAOTInput):
-            outputs.append(GraphOutput(value.name, OutputRole.MUTATION, desc.mutated_input.idx))
+            outputs.append(GraphOutput(value.name, OutputRole.MUTATION, arg_indices[desc.mutated_input.idx]))
         else:
             raise PiperError(f"unsupported joint-graph output {getattr(value, 'name', value)}: {desc}")
         kept.append(value)

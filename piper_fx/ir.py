@@ -12,6 +12,9 @@ from __future__ import annotations
 import enum
 import operator
 from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
 
 import torch.fx as fx
 
@@ -51,49 +54,109 @@ class GraphOutput:
 
 
 class TaskKind(enum.Enum):
-    F = "F"  # forward
-    B = "B"  # backward (input and weight gradients)
+    F = "F"  # forward of a stage
+    B = "B"  # backward of a stage (input and weight gradients)
 
 
 @dataclass
 class Task:
-    """A compute chunk: runs `graph` on the values named `inputs`, producing `outputs`."""
+    """A compute chunk: runs `graph` on the values named `inputs`, producing `outputs`.
+
+    One task serves every microbatch: the program runs it once per microbatch
+    (`Run(task, m)`), so identical work compiles once.
+    """
 
     name: str
     kind: TaskKind
     stage: int
-    microbatch: int
     graph: fx.GraphModule
     inputs: list[str]
     outputs: list[str]
     lane: str = "compute"
 
 
+@dataclass(frozen=True)
+class Run:
+    task: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"run   {self.task}.{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send a value to another rank (non-blocking; the runtime waits before the program ends)."""
+
+    value: str
+    microbatch: int | None
+    peer: int
+    tag: int
+
+    def __str__(self) -> str:
+        return f"send  {self.value}{_mb(self.microbatch)} -> rank {self.peer} (tag {self.tag})"
+
+
+@dataclass(frozen=True)
+class Recv:
+    """Receive a value from another rank into a new buffer (blocking, just before its first reader)."""
+
+    value: str
+    microbatch: int | None
+    peer: int
+    tag: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __str__(self) -> str:
+        return f"recv  {self.value}{_mb(self.microbatch)} <- rank {self.peer} (tag {self.tag})"
+
+
+Instruction = Union[Run, Send, Recv]
+
+
+def _mb(microbatch: int | None) -> str:
+    return "" if microbatch is None else f"[mb {microbatch}]"
+
+
 @dataclass
 class RankProgram:
-    """What one rank runs for one step: tasks in order.
+    """What one rank runs for one step.
 
-    `inputs` are the values the step supplies (joint-graph placeholders);
-    `outputs` those the step hands back (joint-graph outputs). A value is freed
-    by the runtime after the last task that reads it.
+    Values are named by joint-graph node names. A value is per step (`per_step`:
+    parameters, and `accumulated` values such as gradients, summed over
+    microbatches) or per microbatch (everything else, keyed by microbatch).
+    `inputs` are supplied by the step, `outputs` handed back; every other value
+    is freed after the last instruction that reads it.
     """
 
     rank: int
-    tasks: list[Task]
+    tasks: dict[str, Task]
+    instructions: list[Instruction]
     inputs: list[str]
+    per_step: set[str]
+    accumulated: set[str]
     outputs: list[str]
+    num_microbatches: int
+
+    def key(self, name: str, microbatch: int | None) -> tuple[str, int | None]:
+        return (name, None) if name in self.per_step else (name, microbatch)
 
     def render(self) -> str:
-        lines = [f"# rank {self.rank}: {len(self.tasks)} tasks",
-                 f"inputs: {', '.join(self.inputs)}"]
-        for i, task in enumerate(self.tasks):
-            lines.append(f"{i:4d}  {task.name:<12} lane={task.lane:<8} "
+        lines = [f"# rank {self.rank}: {len(self.instructions)} instructions, "
+                 f"{self.num_microbatches} microbatches",
+                 f"inputs: {', '.join(self.inputs)}",
+                 "tasks:"]
+        for task in self.tasks.values():
+            lines.append(f"  {task.name:<6} stage={task.stage} lane={task.lane}  "
                          f"in=[{', '.join(task.inputs)}] out=[{', '.join(task.outputs)}]")
-            collectives = [n for n in task.graph.graph.nodes
-                           if n.op == "call_function" and getattr(n.target, "namespace", "") == "_c10d_functional"
-                           and n.target.__name__.split(".")[0] != "wait_tensor"]
-            for node in collectives:
-                lines.append(f"        collective {node.name}: {node.target}  {node.meta.get('piper_comm', '')}")
+            for node in task.graph.graph.nodes:
+                if (node.op == "call_function" and getattr(node.target, "namespace", "") == "_c10d_functional"
+                        and node.target.__name__.split(".")[0] != "wait_tensor"):
+                    lines.append(f"        collective {node.name}: {node.target}  {node.meta.get('piper_comm', '')}")
+        lines.append("instructions:")
+        lines.extend(f"  {i:4d}  {instruction}" for i, instruction in enumerate(self.instructions))
+        lines.append(f"accumulated: {', '.join(sorted(self.accumulated))}")
         lines.append(f"outputs: {', '.join(self.outputs)}")
         return "\n".join(lines) + "\n"
 
@@ -108,6 +171,10 @@ class TrainingDAG:
     training: bool
     tasks: list[Task] = field(default_factory=list)
     programs: dict[int, RankProgram] = field(default_factory=dict)
+    schedule: Any = None  # the validated `schedules.Schedule` the programs follow
+    # Pipeline rank that computes each parameter's gradient (by placeholder name):
+    # its copy is the one the optimizer updates.
+    parameter_owner: dict[str, int] = field(default_factory=dict)
 
     def input_by_name(self) -> dict[str, GraphInput]:
         return {i.name: i for i in self.inputs}

@@ -5,7 +5,9 @@ Each option maps onto the pass that consumes it:
 | option       | consumed by                                              |
 |--------------|----------------------------------------------------------|
 | mesh.dp      | sharding.mesh (groups), passes.reduce_gradients          |
-| mesh.pp      | reserved for the pipeline passes (must be 1 for now)     |
+| mesh.pp      | passes.split_stages, passes.build_rank_programs          |
+| pipeline     | passes.split_stages (stages), passes.build_rank_programs |
+|              | (schedule, microbatches), runtime.step (input split)     |
 | zero         | prepare (layout), passes.unshard_parameters,             |
 |              | passes.reduce_gradients                                  |
 | bucket_mb    | collectives.bucketing (size cap of one flat bucket)      |
@@ -29,7 +31,8 @@ from .errors import PiperConfigError
 ZERO_LEVELS = (0, 1, 2, 3)
 CODEGENS = ("inductor", "eager")
 MESH_DIMS = ("pp", "dp")
-TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "codegen", "debug_dir")
+TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "codegen", "debug_dir", "pipeline")
+PIPELINE_KEYS = ("schedule", "microbatches", "stages_per_rank")
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,13 @@ class Strategy:
     debug_dir: str | None = None
     world_size: int = 1
     rank: int = 0
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    stages_per_rank: int = 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
 
     @property
     def dp_index(self) -> int:
@@ -67,7 +77,8 @@ class Strategy:
 
     def agreement_key(self) -> tuple:
         """What every rank must agree on (the debug directory may differ per rank)."""
-        return (self.dp, self.pp, self.zero, self.bucket_mb, self.codegen)
+        return (self.dp, self.pp, self.zero, self.bucket_mb, self.codegen, self.schedule, self.microbatches,
+                self.stages_per_rank)
 
 
 def _is_int(value: Any) -> bool:
@@ -102,9 +113,7 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
         if not _is_int(size) or size < 1:
             raise PiperConfigError(f"mesh.{dim}", size, "a positive int")
     pp = mesh.get("pp", 1)
-    if pp != 1:
-        raise PiperConfigError("mesh.pp", pp, "1: pipeline parallelism is not available in this version")
-    dp = mesh.get("dp", world_size // pp)
+    dp = mesh.get("dp", max(1, world_size // pp))
 
     if not dist.is_initialized() and (dp * pp > 1 or launched_world > 1):
         raise PiperConfigError(
@@ -132,11 +141,49 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
     if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
         raise PiperConfigError("debug_dir", debug_dir, "a directory path (str or os.PathLike) or None")
 
+    schedule, microbatches, stages_per_rank = _parse_pipeline(options.get("pipeline"), pp)
     return Strategy(
         dp=dp, pp=pp, zero=zero, bucket_mb=float(bucket_mb), codegen=codegen,
         debug_dir=os.fspath(debug_dir) if debug_dir is not None else None,
         world_size=world_size, rank=rank,
+        schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
     )
+
+
+def _parse_pipeline(pipeline: Any, pp: int) -> tuple[str, int, int]:
+    from .schedules import PRESETS, min_microbatches
+
+    if pipeline is None:
+        if pp > 1:
+            return "1f1b", pp, 1
+        return "1f1b", 1, 1
+    if not isinstance(pipeline, Mapping):
+        raise PiperConfigError("pipeline", pipeline, "a dict such as {'schedule': '1f1b', 'microbatches': 8}")
+    for key in pipeline:
+        if key not in PIPELINE_KEYS:
+            raise PiperConfigError(f"pipeline.{key}", pipeline[key],
+                                   f"unknown pipeline option; valid are {list(PIPELINE_KEYS)}")
+    schedule = pipeline.get("schedule", "1f1b")
+    if schedule not in PRESETS:
+        raise PiperConfigError("pipeline.schedule", schedule, f"one of {sorted(PRESETS)}")
+    interleaved = schedule == "interleaved_1f1b"
+    stages_per_rank = pipeline.get("stages_per_rank", 2 if interleaved else 1)
+    if not _is_int(stages_per_rank) or stages_per_rank < 1:
+        raise PiperConfigError("pipeline.stages_per_rank", stages_per_rank, "a positive int")
+    if interleaved and stages_per_rank < 2:
+        raise PiperConfigError("pipeline.stages_per_rank", stages_per_rank, "at least 2 for interleaved_1f1b")
+    if not interleaved and stages_per_rank != 1:
+        raise PiperConfigError("pipeline.stages_per_rank", stages_per_rank,
+                               f"1 for {schedule} (use interleaved_1f1b for several stages per rank)")
+    microbatches = pipeline.get("microbatches", pp)
+    least = min_microbatches(schedule, pp, stages_per_rank)
+    if not _is_int(microbatches) or microbatches < least:
+        raise PiperConfigError("pipeline.microbatches", microbatches,
+                               f"an int >= {least} for {schedule} with pp={pp}")
+    if interleaved and microbatches % pp:
+        raise PiperConfigError("pipeline.microbatches", microbatches,
+                               f"a multiple of pp={pp} for interleaved_1f1b")
+    return schedule, microbatches, stages_per_rank
 
 
 def parse_options_on_all_ranks(options: Mapping[str, Any] | None) -> Strategy:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
 from torch import nn
 
 from .errors import PiperConfigError
@@ -40,8 +41,19 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     broadcast_from_first_replica([*model.parameters(), *model.buffers()], group_name)
     if strategy.shards_parameters:
         shard_parameters(model, group_name, strategy.dp, strategy.dp_index)
+    if strategy.microbatches > 1:
+        model.register_forward_pre_hook(_mark_batch_dimension_dynamic)
     setattr(model, _LAYOUT_ATTR, strategy.layout_key())
     return model
+
+
+@torch._dynamo.disable
+def _mark_batch_dimension_dynamic(module: nn.Module, args: tuple) -> None:
+    """Runs outside Dynamo before each call: batch sizes reach the backend as
+    SymInts, so it can trace the model at microbatch size (see capture)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor) and arg.dim() > 0:
+            torch._dynamo.maybe_mark_dynamic(arg, 0)
 
 
 def prepared_layout(model: nn.Module) -> tuple | None:

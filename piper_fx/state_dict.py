@@ -2,18 +2,40 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
 from .sharding.row_shard import sharded_parameter_info
+
+# Set by the backend on each parameter of a pipeline: the pipeline rank whose
+# stage reads it, the only rank whose optimizer updates it.
+_OWNER_ATTR = "_piper_pipeline_owner"
+
+
+def mark_pipeline_owner(parameter: torch.Tensor, pp_rank: int, pp_group_name: str) -> None:
+    setattr(parameter, _OWNER_ATTR, (pp_rank, pp_group_name))
+
+
+def _from_owner(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
+    """`value` as the parameter's owning pipeline rank has it (collective over the pp group)."""
+    owner = getattr(parameter, _OWNER_ATTR, None)
+    if owner is None:
+        return value
+    owner, group_name = owner
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    value = value.contiguous()
+    dist.broadcast(value, src=dist.get_global_rank(group, owner), group=group)
+    return value
 
 
 @torch.no_grad()
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full parameters and buffers under their original names, on every rank.
 
-    Collective for sharded models (every rank of the data-parallel group must
-    call it). Keys match `model.state_dict()` of the unprepared model, tied
+    Collective for sharded and pipelined models (every rank must call it):
+    shards are gathered over the data-parallel group, and each parameter of a
+    pipeline comes from the pipeline rank that trains it. Keys match `model.state_dict()` of the unprepared model, tied
     parameters included under each of their names.
     """
     state: dict[str, torch.Tensor] = {}
@@ -23,13 +45,13 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         prefix = f"{module_name}." if module_name else ""
         for name, p in module._parameters.items():
             if p is not None:
-                state[prefix + name] = p.detach().clone()
+                state[prefix + name] = _from_owner(p.detach().clone(), p)
         if parametrize.is_parametrized(module):
             for name in module.parametrizations:
                 original = module.parametrizations[name].original
                 if sharded_parameter_info(original) is None:
                     raise RuntimeError(f"{prefix}{name} has a parametrization piper_fx did not make")
-                state[prefix + name] = getattr(module, name).detach().clone()
+                state[prefix + name] = _from_owner(getattr(module, name).detach().clone(), original)
         for name, b in module._buffers.items():
             if b is not None and name not in module._non_persistent_buffers_set:
                 state[prefix + name] = b.detach().clone()

@@ -97,13 +97,14 @@ def test_debug_dumps_show_every_stage(tmp_path):
     (graph_dir,) = (tmp_path / "rank0").iterdir()
     names = {p.relative_to(graph_dir).as_posix() for p in graph_dir.rglob("*") if p.is_file()}
     for expected in ["00_dynamo_graph.py", "01_joint_graph.py", "placement_table.txt", "program.txt",
-                     "codegen/F.py", "codegen/B.py", "passes/02_unshard_parameters.py",
-                     "passes/04_propagate_placements.py", "passes/05_split_forward_backward.py"]:
+                     "codegen/F0.py", "codegen/B0.py", "passes/02_unshard_parameters.py",
+                     "passes/04_propagate_placements.py", "passes/05_split_stages.py",
+                     "schedule.txt", "schedule.svg"]:
         assert expected in names, (expected, sorted(names))
     table = (graph_dir / "placement_table.txt").read_text()
     assert "dp:S(0)" in table and "dp:R" in table and "dp:P(" in table
     program = (graph_dir / "program.txt").read_text()
-    assert " F " in program and " B " in program
+    assert "run   F0.0" in program and "run   B0.0" in program
 
 
 def test_prepared_model_still_runs_eagerly_and_state_dict_has_original_names():

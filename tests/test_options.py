@@ -23,7 +23,13 @@ from ranks import RankFailed, run_ranks, run_ranks_collect
     ({"mesh": {"dp": 0}}, "mesh.dp"),
     ({"mesh": {"dp": 1.0}}, "mesh.dp"),
     ({"mesh": {"tp": 2}}, "mesh.tp"),
-    ({"mesh": {"pp": 2, "dp": 1}}, "mesh.pp"),
+    ({"mesh": {"pp": 2, "dp": 1}}, "mesh"),  # world size 1
+    ({"pipeline": {"schedule": "zigzag"}}, "pipeline.schedule"),
+    ({"pipeline": {"microbatches": 0}}, "pipeline.microbatches"),
+    ({"pipeline": {"schedule": "1f1b", "stages_per_rank": 2}}, "pipeline.stages_per_rank"),
+    ({"pipeline": {"schedule": "interleaved_1f1b", "stages_per_rank": 1}}, "pipeline.stages_per_rank"),
+    ({"pipeline": {"depth": 2}}, "pipeline.depth"),
+    ({"pipeline": "1f1b"}, "pipeline"),
     ({"mesh": {"dp": 2}}, "mesh"),  # world size 1: no process group for 2 ranks
 ])
 def test_bad_option_names_its_key(options, key):

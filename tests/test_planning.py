@@ -33,7 +33,7 @@ def _collectives_by_task(program: str) -> dict[str, list[str]]:
     tasks: dict[str, list[str]] = {}
     current = None
     for line in program.splitlines():
-        task = re.match(r"\s+\d+\s+(\w+)\s+lane=", line)
+        task = re.match(r"\s+(\w+)\s+stage=\d+ lane=", line)
         if task:
             current = tasks.setdefault(task.group(1), [])
         found = re.search(r"collective \w+: _c10d_functional\.(\w+)\.default", line)
@@ -56,23 +56,73 @@ def _counts(ops):
 
 def test_ddp_all_reduces_each_gradient_once(plans):
     params = 2 + 2 * 12 + 2  # wte (tied with lm_head), wpe, 12 per block, ln_f
-    assert _counts(plans[0]["F"]) == {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": 0}
-    assert _counts(plans[0]["B"]) == {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": params}
+    assert _counts(plans[0]["F0"]) == {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": 0}
+    assert _counts(plans[0]["B0"]) == {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": params}
 
 
 def test_zero1_and_2_gather_each_parameter_once_per_step(plans):
     params, uses = 28, 29  # the tied embedding is used by two modules: two gradient reductions
-    assert _counts(plans[1]["F"])["all_gather_into_tensor"] == params
-    assert _counts(plans[1]["B"]) == {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": uses}
-    assert _counts(plans[2]["F"])["all_gather_into_tensor"] == params
-    assert _counts(plans[2]["B"]) == {"all_gather_into_tensor": 0, "reduce_scatter_tensor": uses, "all_reduce": 0}
+    assert _counts(plans[1]["F0"])["all_gather_into_tensor"] == params
+    assert _counts(plans[1]["B0"]) == {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": uses}
+    assert _counts(plans[2]["F0"])["all_gather_into_tensor"] == params
+    assert _counts(plans[2]["B0"]) == {"all_gather_into_tensor": 0, "reduce_scatter_tensor": uses, "all_reduce": 0}
 
 
 def test_zero3_gathers_per_use_in_forward_and_again_in_backward(plans):
     uses = 29
-    assert _counts(plans[3]["F"]) == {"all_gather_into_tensor": uses, "reduce_scatter_tensor": 0, "all_reduce": 0}
-    backward = _counts(plans[3]["B"])
+    assert _counts(plans[3]["F0"]) == {"all_gather_into_tensor": uses, "reduce_scatter_tensor": 0, "all_reduce": 0}
+    backward = _counts(plans[3]["B0"])
     # Every use whose backward reads the weight gathers it again (embeddings and
     # layer-norm/bias parameters feed their backward without needing the full value).
     assert 0 < backward["all_gather_into_tensor"] < uses
     assert backward["reduce_scatter_tensor"] == uses and backward["all_reduce"] == 0
+
+
+def _plan_world_64() -> dict:
+    """pp=8 x dp=8 on a fake process group: every rank's program, built in this one process."""
+    import time
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import piper_fx
+    from examples.gpt import GPT, GPTConfig
+    from piper_fx.backend import plan
+    from piper_fx.ir import Recv, Send
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**SMALL, "n_layer": 8}, tied_embeddings=False))
+    model.block_context = lambda: piper_fx.annotate("PP")
+    options = {"mesh": {"pp": 8, "dp": 8}, "zero": 3, "codegen": "eager",
+               "pipeline": {"schedule": "1f1b", "microbatches": 16}}
+    piper_fx.prepare(model, options)
+    captured = {}
+
+    def keep_graph(gm, example_inputs):
+        captured.update(gm=gm, example_inputs=example_inputs)
+        return gm.forward
+
+    x, y = global_batch(0, 16, model.cfg)
+    torch.compile(model, backend=keep_graph)(x, y)
+    start = time.monotonic()
+    strategy = piper_fx.parse_options(options)
+    programs = {}
+    for dp_index in range(8):
+        programs.update(plan(captured["gm"], captured["example_inputs"], strategy.with_rank(dp_index)).programs)
+    seconds = time.monotonic() - start
+    sends = {(r, i.peer, i.tag) for r, p in programs.items() for i in p.instructions if isinstance(i, Send)}
+    recvs = {(i.peer, r, i.tag) for r, p in programs.items() for i in p.instructions if isinstance(i, Recv)}
+    dist.destroy_process_group()
+    return {"ranks": sorted(programs), "seconds": seconds, "sends": len(sends), "unmatched": len(sends ^ recvs),
+            "runs": sum(1 for p in programs.values() for i in p.instructions if type(i).__name__ == "Run")}
+
+
+def test_planning_all_64_ranks_of_pp8_x_dp8_in_one_process():
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        result = pool.apply(_plan_world_64)
+    assert result["ranks"] == list(range(64))
+    assert result["runs"] == 64 * 16 * 2  # each rank: F and B of its stage for every microbatch
+    assert result["sends"] > 0 and result["unmatched"] == 0  # every send has its receive on the peer
+    assert result["seconds"] < 60, result

@@ -40,17 +40,24 @@ def optimizer_state_bytes(opt) -> int:
 
 def train_and_compare(rank: int, world: int, options: dict, optimizer: str, steps: int = 5,
                       tied: bool = True, per_rank_batch: int = 2, same_init: bool = True,
-                      call_prepare: bool = True) -> dict:
+                      call_prepare: bool = True, pp_regions: bool = False, n_layer: int = 2,
+                      model: str = "gpt") -> dict:
     """Train with piper_fx on this rank's shard and, alongside, one model on the global batch.
 
     With `same_init=False` each rank initializes its own model from its own seed;
     the reference starts from rank 0's, which every replica must adopt.
     """
-    cfg = GPTConfig(**SMALL, tied_embeddings=tied)
+    from models import MODELS, batch
+
+    cfg = GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=tied)
+    model_fn = MODELS[model] if model in MODELS else (lambda: GPT(cfg))
+    batch_fn = batch if model in MODELS else (lambda i, rows: global_batch(i, rows, cfg))
     torch.manual_seed(0)
-    reference = GPT(cfg)
+    reference = model_fn()
     torch.manual_seed(0 if same_init else rank)
-    model = GPT(cfg)
+    model = model_fn()
+    if pp_regions:
+        model.block_context = lambda: piper_fx.annotate("PP")
     if call_prepare:
         piper_fx.prepare(model, options)
     opt = make_optimizer(optimizer, model.parameters())
@@ -59,8 +66,9 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
 
     loss_errors = []
     for i in range(steps):
-        x, y = global_batch(i, per_rank_batch * world, cfg)
-        dp = world  # data parallel over every rank in these tests
+        mesh = options.get("mesh", {})
+        dp = mesh.get("dp", world // mesh.get("pp", 1))
+        x, y = batch_fn(i, per_rank_batch * dp)
         lx, ly = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
         loss = step(lx, ly)
         loss.backward()
@@ -152,3 +160,31 @@ def first_op_reads_a_parameter_worker(rank: int, world: int, zero: int) -> float
     full_grad = torch.cat([torch.zeros_like(shard_grad) for _ in range(world)])
     dist.all_gather_into_tensor(full_grad, shard_grad.contiguous())
     return relative_error(full_grad[:3], reference.weight.grad)
+
+
+def pipeline_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
+    """Several pipeline trainings in one process group, each against single-process training."""
+    results = []
+    for config in configs:
+        config = dict(config)
+        options = {"codegen": "eager", **config.pop("options")}
+        results.append(train_and_compare(rank, world, options, "sgd", steps=3, tied=False, **config))
+    return results
+
+
+def activation_memory_worker(rank: int, world: int, microbatches: int) -> dict:
+    """Peak bytes of per-microbatch values held by the runtime, per schedule."""
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        options = {"mesh": {"pp": world}, "codegen": "eager",
+                   "pipeline": {"schedule": schedule, "microbatches": microbatches}}
+        cfg = GPTConfig(**{**SMALL, "n_layer": world}, tied_embeddings=False)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        model.block_context = lambda: piper_fx.annotate("PP")
+        piper_fx.prepare(model, options)
+        step = torch.compile(model, backend="piper", options=options)
+        x, y = global_batch(0, 2 * microbatches, cfg)
+        step(x, y).backward()
+        peaks[schedule] = piper_fx.last_step_stats()["peak_activation_bytes"]
+    return peaks

@@ -22,7 +22,7 @@ CompiledTask = Callable[[list], Sequence[torch.Tensor]]
 def compile_program(program: RankProgram, codegen: str, dump: DebugDump) -> dict[str, CompiledTask]:
     compile_task = inductor.compile_task if codegen == "inductor" else eager.compile_task
     compiled: dict[str, CompiledTask] = {}
-    for task in program.tasks:
+    for task in program.tasks.values():
         compiled[task.name], source = compile_task(task)
         dump.write(f"codegen/{task.name}.py", source)
     return compiled

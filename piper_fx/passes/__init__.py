@@ -13,7 +13,7 @@ from ..options import Strategy
 from .build_rank_programs import build_rank_programs
 from .propagate_placements import propagate_placements
 from .reduce_gradients import reduce_gradients
-from .split_forward_backward import split_forward_backward
+from .split_stages import split_stages
 from .unshard_parameters import unshard_parameters
 
 Pass = Callable[[TrainingDAG, Strategy], TrainingDAG]
@@ -22,8 +22,8 @@ PIPELINE: tuple[Pass, ...] = (
     unshard_parameters,      # ZeRO: parameter all-gathers (per step, or per use and again in backward)
     reduce_gradients,        # DP/ZeRO: gradient all-reduce / reduce-scatter, averaged over dp
     propagate_placements,    # DTensor-style spec on every node (descriptive)
-    split_forward_backward,  # joint graph -> F and B tasks
-    build_rank_programs,     # tasks -> this rank's program
+    split_stages,            # joint graph -> F and B task per pipeline stage
+    build_rank_programs,     # schedule + tasks -> each rank's program (with send/recv)
 )
 
 

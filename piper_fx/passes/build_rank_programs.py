@@ -1,26 +1,102 @@
-"""Pass: order the tasks of each rank into its `RankProgram`.
+"""Pass: lower the schedule and the stage tasks to each rank's program.
 
-Requires: `dag.tasks`.
-Guarantees: `dag.programs[strategy.rank]` lists the tasks this rank runs, in
-an order where every value is produced before it is read; its inputs are the
-joint graph's placeholders and its outputs the joint graph's outputs. With
-data parallelism only, every rank runs the same tasks (its collectives thus
-come in the same order everywhere).
+Requires: `dag.tasks` (F<s>, B<s> per stage); the strategy's schedule,
+microbatches and mesh.
+Guarantees: `dag.schedule` is the validated schedule (coverage, dependencies,
+no deadlock) and `dag.programs[r]` is the program of every rank r sharing this
+rank's data-parallel index (the whole pipeline of its replica): for each action of the rank's schedule row, a
+`Recv` of every input produced on another pipeline rank (just before its first
+reader), `Run(task, microbatch)`, and a `Send` of every output read on another
+pipeline rank. Gradients and the loss accumulate over microbatches; at the end
+the last stage sends the loss to every other pipeline rank, so all return it.
+Each transfer has its own tag, so receives never match the wrong message; and
+since every transfer follows a schedule dependency, a schedule that validates
+cannot deadlock at run time (sends do not block). Without a pipeline this is
+one rank running F0 then B0.
 """
 from __future__ import annotations
 
-from ..ir import RankProgram, TrainingDAG
+from ..ir import InputRole, OutputRole, RankProgram, Recv, Run, Send, Task, TrainingDAG
 from ..options import Strategy
+from ..schedules import Schedule, build
+
+
+def _forward_only(schedule: Schedule) -> Schedule:
+    actions = [[a for a in row if a.kind == "F"] for row in schedule.actions]
+    return Schedule(schedule.name + " (forward only)", schedule.num_ranks, schedule.num_microbatches,
+                    schedule.stage_to_rank, actions)
 
 
 def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
-    produced = {i.name for i in dag.inputs}
-    for task in dag.tasks:
-        missing = [v for v in task.inputs if v not in produced]
-        if missing:
-            raise AssertionError(f"task {task.name} reads {missing} before any task produces them")
-        produced.update(task.outputs)
-    dag.programs[strategy.rank] = RankProgram(
-        rank=strategy.rank, tasks=list(dag.tasks),
-        inputs=[i.name for i in dag.inputs], outputs=[o.name for o in dag.outputs])
+    schedule = build(strategy.schedule, strategy.pp, strategy.microbatches, strategy.stages_per_rank)
+    if not dag.training:
+        schedule = _forward_only(schedule)
+    dag.schedule = schedule
+    tasks = {(t.stage, t.kind.value): t for t in dag.tasks}
+    joint_nodes = {n.name: n for n in dag.joint.graph.nodes}
+    producer: dict[str, Task] = {out: t for t in dag.tasks for out in t.outputs}
+    consumers: dict[str, list[Task]] = {}
+    for t in dag.tasks:
+        for name in t.inputs:
+            consumers.setdefault(name, []).append(t)
+
+    per_microbatch_inputs = {i.name for i in dag.inputs if i.role in (InputRole.INPUT, InputRole.TANGENT)}
+    accumulated = {o.name for o in dag.outputs if o.role in (OutputRole.LOSS, OutputRole.GRAD)}
+    per_step = {i.name for i in dag.inputs if i.name not in per_microbatch_inputs} | accumulated
+    loss = next((o.name for o in dag.outputs if o.role is OutputRole.LOSS), None)
+    if loss is None:  # inference: the first user output plays the loss's part for the broadcast
+        loss = next(o.name for o in dag.outputs if o.role is OutputRole.OUTPUT)
+        accumulated.add(loss)
+        per_step.add(loss)
+
+    transferred = sorted(name for name, t in producer.items()
+                         if any(c.stage % strategy.pp != t.stage % strategy.pp for c in consumers.get(name, [])))
+    tag_base = {name: i * (strategy.microbatches + 1) for i, name in enumerate(transferred)}
+    broadcast_tag = len(transferred) * (strategy.microbatches + 1)
+
+    def global_rank(pp_rank: int) -> int:
+        return pp_rank * strategy.dp + strategy.dp_index
+
+    loss_pp_rank = schedule.stage_to_rank[producer[loss].stage]
+    for pp_rank in range(strategy.pp):
+        instructions = []
+        received: set[tuple[str, int]] = set()
+        for action in schedule.actions[pp_rank]:
+            task = tasks.get((action.stage, action.kind))
+            if task is None:
+                continue
+            m = action.microbatch
+            for name in task.inputs:
+                source = producer.get(name)
+                if source is None or schedule.stage_to_rank[source.stage] == pp_rank or (name, m) in received:
+                    continue
+                val = joint_nodes[name].meta["val"]
+                instructions.append(Recv(name, m, global_rank(schedule.stage_to_rank[source.stage]),
+                                         tag_base[name] + m, tuple(val.shape), val.dtype))
+                received.add((name, m))
+            instructions.append(Run(task.name, m))
+            for name in task.outputs:
+                peers = sorted({schedule.stage_to_rank[c.stage] for c in consumers.get(name, [])} - {pp_rank})
+                instructions.extend(Send(name, m, global_rank(p), tag_base[name] + m) for p in peers)
+        if strategy.pp > 1:
+            if pp_rank == loss_pp_rank:
+                instructions.extend(Send(loss, None, global_rank(p), broadcast_tag)
+                                    for p in range(strategy.pp) if p != pp_rank)
+            else:
+                loss_val = joint_nodes[loss].meta["val"]
+                instructions.append(Recv(loss, None, global_rank(loss_pp_rank), broadcast_tag,
+                                         tuple(loss_val.shape), loss_val.dtype))
+        rank = global_rank(pp_rank)
+        run_tasks = {i.task for i in instructions if isinstance(i, Run)}
+        dag.programs[rank] = RankProgram(
+            rank=rank,
+            tasks={t.name: t for t in dag.tasks if t.name in run_tasks},
+            instructions=instructions,
+            inputs=[i.name for i in dag.inputs],
+            per_step=per_step,
+            accumulated=accumulated,
+            outputs=[o.name for o in dag.outputs],
+            num_microbatches=strategy.microbatches,
+        )
     return dag
+

@@ -1,4 +1,4 @@
-"""Runs a `RankProgram`: tasks in order over a store of named values."""
+"""Runs a `RankProgram`: instructions in order over a store of named values."""
 from __future__ import annotations
 
 import contextlib
@@ -6,14 +6,16 @@ import contextvars
 from typing import Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
-from ..ir import RankProgram
-
+from ..ir import RankProgram, Recv, Run, Send
 
 # Context managers entered around every task run, e.g. a dispatch mode that
 # measures memory. Entered here, inside the compiled step, because Dynamo runs
 # a frame eagerly when a dispatch mode is active around `step(...)` itself.
 _TASK_CONTEXTS: contextvars.ContextVar[tuple] = contextvars.ContextVar("piper_task_contexts", default=())
+
+Key = tuple[str, "int | None"]
 
 
 @contextlib.contextmanager
@@ -26,36 +28,97 @@ def around_tasks(*contexts) -> Iterator[None]:
         _TASK_CONTEXTS.reset(token)
 
 
+def _reads(program: RankProgram, instruction) -> list[Key]:
+    if isinstance(instruction, Run):
+        return [program.key(n, instruction.microbatch) for n in program.tasks[instruction.task].inputs]
+    if isinstance(instruction, Send):
+        return [program.key(instruction.value, instruction.microbatch)]
+    return []
+
+
+def _activation_bytes(values: dict[Key, torch.Tensor], input_storages: set[int]) -> int:
+    """Bytes of per-microbatch values the program made: not the step's inputs
+    (batch, parameters) nor views of them, such as a transposed weight."""
+    storages = {}
+    for (_, microbatch), value in values.items():
+        if microbatch is not None and isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            if storage.data_ptr() not in input_storages:
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+_last_stats: dict[str, int] = {}
+
+
+def last_step_stats() -> dict[str, int]:
+    """Stats of the last program this process ran: `peak_activation_bytes`, the
+    most bytes of per-microbatch values the program made (activations saved
+    for backward, received tensors) held at once, and `instructions`."""
+    return dict(_last_stats)
+
+
 class ProgramExecutor:
-    """Runs one rank's program; each value is dropped after the last task that reads it."""
+    """Runs one rank's program; each value is dropped after the last instruction that reads it."""
 
     def __init__(self, program: RankProgram, compiled: dict[str, Callable[[list], Sequence[torch.Tensor]]]):
         self.program = program
         self.compiled = compiled
-        kept = set(program.outputs)
-        last_read: dict[str, int] = {}
-        for index, task in enumerate(program.tasks):
-            for name in task.inputs:
-                last_read[name] = index
-        self.drop_before: list[list[str]] = [[] for _ in program.tasks]
-        for name, index in last_read.items():
-            if name not in kept:
-                self.drop_before[index].append(name)
+        kept = {(name, None) for name in program.outputs}
+        last_read: dict[Key, int] = {}
+        for index, instruction in enumerate(program.instructions):
+            for key in _reads(program, instruction):
+                last_read[key] = index
+        self.drop_after: list[list[Key]] = [[] for _ in program.instructions]
+        for key, index in last_read.items():
+            if key not in kept:
+                self.drop_after[index].append(key)
 
-    def run(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run every task; `values` holds the program inputs and is consumed."""
-        for index, task in enumerate(self.program.tasks):
-            args = [values[name] for name in task.inputs]
-            # Drop our references first, so the boxed task frees each input at its last use.
-            for name in self.drop_before[index]:
-                del values[name]
-            try:
-                with contextlib.ExitStack() as stack:
-                    for context in _TASK_CONTEXTS.get():
-                        stack.enter_context(context)
-                    results = self.compiled[task.name](args)
-            except Exception as e:
-                raise RuntimeError(f"piper_fx rank {self.program.rank}: task {task.name} failed: {e}") from e
-            del args
-            values.update(zip(task.outputs, results))
-        return {name: values[name] for name in self.program.outputs}
+    def run(self, values: dict[Key, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Run every instruction; `values` holds the program inputs and is consumed."""
+        program = self.program
+        pending_sends: list[dist.Work] = []
+        input_storages = {v.untyped_storage().data_ptr() for v in values.values() if isinstance(v, torch.Tensor)}
+        peak = 0
+        for index, instruction in enumerate(program.instructions):
+            if isinstance(instruction, Run):
+                self._run_task(instruction, values, index)
+            elif isinstance(instruction, Send):
+                tensor = values[program.key(instruction.value, instruction.microbatch)]
+                pending_sends.append(dist.isend(tensor.contiguous(), dst=instruction.peer, tag=instruction.tag))
+            elif isinstance(instruction, Recv):
+                buffer = torch.empty(instruction.shape, dtype=instruction.dtype)
+                dist.irecv(buffer, src=instruction.peer, tag=instruction.tag).wait()
+                values[program.key(instruction.value, instruction.microbatch)] = buffer
+            peak = max(peak, _activation_bytes(values, input_storages))
+            pending_sends = [work for work in pending_sends if not work.is_completed()]
+            for key in self.drop_after[index]:
+                values.pop(key, None)
+        for work in pending_sends:
+            work.wait()
+        _last_stats.clear()
+        _last_stats.update(peak_activation_bytes=peak, instructions=len(program.instructions))
+        return {name: values[(name, None)] for name in program.outputs if (name, None) in values}
+
+    def _run_task(self, instruction: Run, values: dict[Key, torch.Tensor], index: int) -> None:
+        program = self.program
+        task = program.tasks[instruction.task]
+        m = instruction.microbatch
+        args = [values[program.key(name, m)] for name in task.inputs]
+        # Drop our references first, so the boxed task frees each input at its last use.
+        for key in self.drop_after[index]:
+            values.pop(key, None)
+        try:
+            with contextlib.ExitStack() as stack:
+                for context in _TASK_CONTEXTS.get():
+                    stack.enter_context(context)
+                results = self.compiled[task.name](args)
+        except Exception as e:
+            raise RuntimeError(f"piper_fx rank {program.rank}: task {task.name} (microbatch {m}) failed: {e}") from e
+        del args
+        for name, value in zip(task.outputs, results):
+            if name in program.accumulated:
+                previous = values.get((name, None))
+                values[(name, None)] = value if previous is None else previous + value
+            else:
+                values[program.key(name, m)] = value

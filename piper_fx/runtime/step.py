@@ -1,12 +1,14 @@
 """The callable handed back to Dynamo: one whole training step per call.
 
-A training call runs the rank's whole program (forward, backward and their
-collectives) at once, seeded with d(loss)/d(loss) = 1, and returns the loss
-attached to autograd through `_StepFunction`. `loss.backward()` then hands
-each input its gradient scaled by the incoming seed (gradients are linear in
-it), so `(2 * loss).backward()` and accumulation over several calls behave as
-in PyTorch. Inputs without a gradient (parameters this rank does not own,
-non-differentiable inputs) keep `grad is None`.
+A training call splits every batch argument into the program's microbatches
+(along dim 0), runs the rank's whole program (all forwards, backwards, sends,
+receives and collectives), each microbatch seeded with d(loss)/d(loss_m) = 1/M,
+and returns the replica's loss (the mean over microbatches) attached to
+autograd through `_StepFunction`. `loss.backward()` then hands each input its
+gradient scaled by the incoming seed (gradients are linear in it), so
+`(2 * loss).backward()` and accumulation over several calls behave as in
+PyTorch. Inputs without a gradient on this rank (parameters of stages it does
+not hold, non-differentiable inputs) keep `grad is None`.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from ..errors import PiperError
 from ..ir import GraphInput, GraphOutput, InputRole, OutputRole
 from .executor import ProgramExecutor
 
@@ -27,22 +30,39 @@ class CompiledStep:
         self.seed_shape, self.seed_dtype = seed_shape, seed_dtype
         self.num_user_outputs = num_user_outputs
         self.training = seed_shape is not None
+        self.microbatches = executor.program.num_microbatches
+
+    def _microbatches(self, index: int, arg: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.microbatches == 1:
+            return (arg,)
+        if arg.dim() == 0 or arg.shape[0] % self.microbatches:
+            raise PiperError(
+                f"compiled argument {index} has shape {tuple(arg.shape)}: its dim 0 must divide into "
+                f"{self.microbatches} microbatches (options['pipeline']['microbatches'])")
+        return arg.chunk(self.microbatches)
 
     def run_program(self, args: Sequence[torch.Tensor]):
         """Run the program on the call's arguments: (user outputs, {arg index: grad})."""
-        values: dict[str, torch.Tensor] = {}
+        values: dict = {}
         for graph_input in self.inputs:
             if graph_input.role is InputRole.TANGENT:
-                values[graph_input.name] = torch.ones(self.seed_shape, dtype=self.seed_dtype)
+                seed = torch.full(self.seed_shape, 1.0 / self.microbatches, dtype=self.seed_dtype)
+                values.update({(graph_input.name, m): seed for m in range(self.microbatches)})
+            elif graph_input.role is InputRole.INPUT:
+                chunks = self._microbatches(graph_input.arg_index, args[graph_input.arg_index])
+                values.update({(graph_input.name, m): chunk for m, chunk in enumerate(chunks)})
             else:
-                values[graph_input.name] = args[graph_input.arg_index]
+                values[(graph_input.name, None)] = args[graph_input.arg_index]
         results = self.executor.run(values)
         user_outputs: list[torch.Tensor | None] = [None] * self.num_user_outputs
         grads: dict[int, torch.Tensor] = {}
         for out in self.outputs:
-            value = results[out.name]
+            value = results.get(out.name)
+            if value is None:
+                continue  # produced on another pipeline rank
             if out.role in (OutputRole.LOSS, OutputRole.OUTPUT):
-                user_outputs[out.index] = value
+                # Summed over microbatches by the runtime: the replica's loss is their mean.
+                user_outputs[out.index] = value / self.microbatches if self.microbatches > 1 else value
             elif out.role is OutputRole.GRAD:
                 grads[out.index] = value
             else:

@@ -25,8 +25,17 @@ def dp_group_name(strategy: Strategy) -> str | None:
     Every rank must call this in the same order the first time a mesh shape is
     used: building sub-groups is itself collective.
     """
+    if strategy.pp > 1:
+        mesh = _device_mesh(strategy.pp, strategy.dp)  # builds the pp groups too, on every rank
+        return mesh.get_group("dp").group_name if strategy.dp > 1 else None
     if strategy.dp == 1:
         return None
+    return dist.group.WORLD.group_name
+
+
+
+def pp_group_name(strategy: Strategy) -> str | None:
+    """Name of this rank's pipeline process group, or None when pp == 1."""
     if strategy.pp == 1:
-        return dist.group.WORLD.group_name
-    return _device_mesh(strategy.pp, strategy.dp).get_group("dp").group_name
+        return None
+    return _device_mesh(strategy.pp, strategy.dp).get_group("pp").group_name

@@ -1,0 +1,190 @@
+"""Pass: cut the joint graph into pipeline stages, each with a forward and a backward task.
+
+Requires: the joint graph after the collective passes; `strategy.num_stages`
+stages (pp * stages_per_rank).
+Guarantees: `dag.tasks` holds F<s> for every stage s (and B<s> when training),
+each with its own FX graph; together they compute exactly the joint graph.
+Values keep their joint-graph node names across tasks. Stage assignment:
+  - forward: `piper_fx.annotate("PP")` regions, grouped in order into the
+    stages (their count must divide by the number of stages); with no region,
+    contiguous runs of the forward ops balanced by estimated cost (FLOPs of
+    matmuls and attention, output size otherwise, plus parameter size).
+    Unannotated ops follow their inputs; parameter-only ops (gathers, views of
+    weights) go with their first user; a stage never reads a later stage.
+  - backward: each op goes to the stage of the forward op it differentiates
+    (AOTAutograd's `seq_nr`), but never later than the stages of the
+    gradients it reads, so gradients only flow to earlier stages.
+A parameter read by stages on different pipeline ranks (e.g. embeddings tied
+across the first and last stage) is refused: both ranks would need the sum of
+their gradient contributions.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..errors import PiperConfigError, PiperError
+from ..ir import InputRole, Task, TaskKind, TrainingDAG, forward_nodes
+from ..options import Strategy
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default}
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return [v for v in vals if isinstance(v, torch.Tensor)]
+
+
+def estimated_cost(node: fx.Node) -> float:
+    """A rough cost: FLOPs for matmuls and attention, elements written otherwise."""
+    outs = _tensors(node.meta.get("val"))
+    if node.target in _MATMULS and outs:
+        return 2.0 * outs[0].numel() * node.args[-2].meta["val"].shape[-1]  # (.., K) @ (K, ..)
+    if "scaled_dot_product" in str(node.target) and outs:
+        q = node.args[0].meta["val"]
+        return 4.0 * q.numel() * q.shape[-2]
+    return float(sum(o.numel() for o in outs))
+
+
+def _region(node: fx.Node):
+    return (node.meta.get("custom") or {}).get("PP")
+
+
+def _batch_dependent(dag: TrainingDAG, nodes: list[fx.Node]) -> set[fx.Node]:
+    roles = dag.input_by_name()
+    dependent = {n for n in dag.joint.graph.nodes
+                 if n.op == "placeholder" and roles[n.name].role is InputRole.INPUT}
+    for node in nodes:
+        if any(i in dependent for i in node.all_input_nodes):
+            dependent.add(node)
+    return dependent
+
+
+def _forward_stages(dag: TrainingDAG, compute: list[fx.Node], num_stages: int) -> dict[fx.Node, int]:
+    activations = _batch_dependent(dag, compute)
+    stage: dict[fx.Node, int] = {}
+    regions = list(dict.fromkeys(r for r in map(_region, compute) if r is not None))
+    if regions:
+        if len(regions) % num_stages:
+            raise PiperConfigError(
+                "pipeline", f"{len(regions)} PP regions",
+                f"the number of piper_fx.annotate('PP') regions must be a multiple of the number of stages "
+                f"(pp * stages_per_rank = {num_stages}), so they group in order into stages")
+        per_stage = len(regions) // num_stages
+        stage_of_region = {region: i // per_stage for i, region in enumerate(regions)}
+        stage.update({n: stage_of_region[_region(n)] for n in compute if _region(n) is not None})
+    else:
+        weighted = [n for n in compute if n in activations]
+        param_bytes = {n: sum(i.meta["val"].numel() for i in n.all_input_nodes
+                              if i.op == "placeholder" and i not in activations) for n in weighted}
+        costs = [estimated_cost(n) + param_bytes[n] for n in weighted]
+        total, running = sum(costs) or 1.0, 0.0
+        for node, cost in zip(weighted, costs):
+            stage[node] = min(num_stages - 1, int(num_stages * (running + cost / 2) / total))
+            running += cost
+    for node in compute:  # unannotated activations follow their inputs; never read a later stage
+        inputs = [stage[i] for i in node.all_input_nodes if i in stage and i in activations]
+        if inputs:
+            stage[node] = max(stage.get(node, 0), *inputs)
+    # What reads no computed activation (parameter-only values, or values of the
+    # step's inputs alone, like reshaped targets) goes with its earliest user:
+    # every rank has the parameters and the batch, so nothing is sent for it.
+    for node in reversed(compute):
+        if node not in stage:
+            users = [stage[u] for u in node.users if u in stage]
+            stage[node] = min(users) if users else num_stages - 1
+    return stage
+
+
+def _backward_stages(compute: list[fx.Node], forward_stage: dict[fx.Node, int],
+                     num_stages: int) -> dict[fx.Node, int]:
+    by_seq: dict[int, int] = {}
+    for node, s in forward_stage.items():
+        seq = node.meta.get("seq_nr")
+        if seq is not None:
+            by_seq[seq] = max(by_seq.get(seq, 0), s)
+    stage: dict[fx.Node, int] = {}
+    for node in compute:
+        own = by_seq.get(node.meta.get("seq_nr"))
+        reads = [stage[i] for i in node.all_input_nodes if i in stage]
+        if reads:
+            own = min(reads) if own is None else min(own, min(reads))
+        if own is not None:
+            stage[node] = own
+    for node in reversed(compute):
+        if node not in stage:
+            users = [stage[u] for u in node.users if u in stage]
+            stage[node] = max(users) if users else num_stages - 1
+    return stage
+
+
+def _parameter_owners(dag: TrainingDAG, stage: dict[fx.Node, int], strategy: Strategy) -> dict[str, int]:
+    """The pipeline rank (stage s lives on rank s % pp) of every parameter's readers."""
+    roles = dag.input_by_name()
+    owners = {}
+    for node in dag.joint.graph.nodes:
+        if node.op != "placeholder" or roles[node.name].role not in (InputRole.PARAM, InputRole.PARAM_SHARD):
+            continue
+        ranks = {stage[u] % strategy.pp for u in node.users if u in stage}
+        if len(ranks) == 1:
+            owners[node.name] = ranks.pop()
+        elif len(ranks) > 1:
+            raise PiperError(
+                f"parameter {roles[node.name].fqn} is read by stages on pipeline ranks {sorted(ranks)}; "
+                "parameters tied across pipeline ranks are not supported yet (untie them, e.g. the "
+                "input and output embeddings)")
+    return owners
+
+
+def extract_graph(root: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node],
+                  outputs: list[fx.Node]) -> fx.GraphModule:
+    """A new graph over `nodes` (in order) taking `inputs` as placeholders and returning `outputs`."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in nodes:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[o] for o in outputs))
+    graph.lint()
+    return fx.GraphModule(root, graph)
+
+
+def split_stages(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
+    graph = dag.joint.graph
+    num_stages = strategy.num_stages
+    forward = forward_nodes(dag)
+    compute = [n for n in graph.nodes if n.op in ("call_function", "get_attr")]
+    fwd_compute = [n for n in compute if n in forward]
+    bwd_compute = [n for n in compute if n not in forward]
+
+    stage = _forward_stages(dag, fwd_compute, num_stages)
+    stage.update(_backward_stages(bwd_compute, stage, num_stages))
+    # Parts of a multi-output op live with it.
+    for node in compute:
+        if node.target is operator.getitem:
+            stage[node] = stage[node.args[0]]
+    dag.parameter_owner = _parameter_owners(dag, stage, strategy)
+
+    owner: dict[fx.Node, tuple[int, TaskKind]] = {
+        n: (stage[n], TaskKind.F if n in forward else TaskKind.B) for n in compute}
+    final_outputs = {n for n in dag.output_node().args[0]}
+    tasks = []
+    for s in range(num_stages):
+        for kind in (TaskKind.F, TaskKind.B) if dag.training else (TaskKind.F,):
+            nodes = [n for n in compute if owner[n] == (s, kind)]
+            members = set(nodes)
+            inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in members))
+            outputs = [n for n in nodes if n in final_outputs or any(u not in members and u.op != "output"
+                                                                     for u in n.users)]
+            if not nodes:
+                continue
+            tasks.append(Task(f"{kind.value}{s}", kind, s, extract_graph(dag.joint, inputs, nodes, outputs),
+                              inputs=[n.name for n in inputs], outputs=[n.name for n in outputs]))
+    dag.tasks = tasks
+    return dag
+

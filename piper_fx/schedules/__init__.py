@@ -1,0 +1,18 @@
+"""Pipeline schedules: data (per-rank action lists), preset builders, checks, pictures.
+
+    schedule = piper_fx.schedules.build("1f1b", ranks=4, microbatches=8)
+    piper_fx.schedules.validate(schedule)       # raises ScheduleError naming the first bad action
+    print(piper_fx.schedules.text_grid(schedule))
+"""
+from .presets import PRESETS, gpipe, interleaved_1f1b, min_microbatches, one_f_one_b
+from .render import svg, text_grid
+from .schedule import Action, Schedule, ScheduleError, dependencies, run_order, validate
+
+
+def build(name: str, ranks: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """A validated preset schedule."""
+    return validate(PRESETS[name](ranks, microbatches, stages_per_rank))
+
+
+__all__ = ["Action", "PRESETS", "Schedule", "ScheduleError", "build", "dependencies", "gpipe",
+           "interleaved_1f1b", "min_microbatches", "one_f_one_b", "run_order", "svg", "text_grid", "validate"]

@@ -1,0 +1,43 @@
+"""Pictures of a schedule: a text grid and an SVG timeline, from the same simulation."""
+from __future__ import annotations
+
+from html import escape
+
+from .schedule import Schedule, run_order
+
+_COLORS = {"F": "#6fa8dc", "B": "#93c47d"}
+
+
+def text_grid(schedule: Schedule) -> str:
+    """One row per rank, one column per simulated time step; cells `F<stage>.<microbatch>`."""
+    order = run_order(schedule)
+    steps = 1 + max(step for step, _, _ in order)
+    cells = [["." for _ in range(steps)] for _ in range(schedule.num_ranks)]
+    for step, rank, action in order:
+        cells[rank][step] = str(action)
+    width = max(len(c) for row in cells for c in row)
+    lines = [f"# {schedule.name}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+             f"{schedule.num_microbatches} microbatches (unit time per action)"]
+    for rank, row in enumerate(cells):
+        lines.append(f"rank {rank}: " + " ".join(c.ljust(width) for c in row))
+    return "\n".join(lines) + "\n"
+
+
+def svg(schedule: Schedule, cell: int = 34, row: int = 26) -> str:
+    order = run_order(schedule)
+    steps = 1 + max(step for step, _, _ in order)
+    left, top = 60, 24
+    width, height = left + steps * cell + 10, top + schedule.num_ranks * row + 10
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'font-family="monospace" font-size="10">',
+             f'<text x="4" y="14">{escape(schedule.name)}: {schedule.num_stages} stages, '
+             f'{schedule.num_microbatches} microbatches</text>']
+    for rank in range(schedule.num_ranks):
+        parts.append(f'<text x="4" y="{top + rank * row + 16}">rank {rank}</text>')
+    for step, rank, action in order:
+        x, y = left + step * cell, top + rank * row
+        parts.append(f'<rect x="{x}" y="{y}" width="{cell - 2}" height="{row - 4}" '
+                     f'fill="{_COLORS[action.kind]}"><title>{action}</title></rect>')
+        parts.append(f'<text x="{x + 3}" y="{y + 15}">{escape(str(action))}</text>')
+    parts.append("</svg>")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,51 @@
+"""Pipelines (GPipe, 1F1B, interleaved 1F1B), alone and with DP/ZeRO, equal single-process training."""
+import pytest
+
+from ranks import run_ranks
+from training import activation_memory_worker, pipeline_worker
+
+RTOL = 1e-5
+
+
+def _check(results, configs):
+    for rank, runs in enumerate(results):
+        for config, run in zip(configs, runs):
+            assert max(run["loss_errors"]) < RTOL, (rank, config, run["loss_errors"])
+            worst = max(run["param_errors"], key=run["param_errors"].get)
+            assert run["param_errors"][worst] < RTOL, (rank, config, worst, run["param_errors"][worst])
+
+
+def _pp(pp, schedule, microbatches, **pipeline):
+    return {"mesh": {"pp": pp}, "pipeline": {"schedule": schedule, "microbatches": microbatches, **pipeline}}
+
+
+def test_two_stage_schedules_and_model_shapes():
+    configs = [
+        {"options": _pp(2, "gpipe", 4), "pp_regions": True, "per_rank_batch": 4},
+        {"options": _pp(2, "1f1b", 4), "pp_regions": True, "per_rank_batch": 4},
+        {"options": _pp(2, "1f1b", 2), "pp_regions": False, "per_rank_batch": 4},  # automatic split
+        {"options": _pp(2, "interleaved_1f1b", 4, stages_per_rank=2), "pp_regions": True, "n_layer": 4,
+         "per_rank_batch": 4},
+        {"options": _pp(2, "1f1b", 2), "model": "skip", "per_rank_batch": 4},
+        {"options": _pp(2, "gpipe", 2), "model": "two_streams", "per_rank_batch": 4},
+    ]
+    _check(run_ranks(pipeline_worker, 2, configs, deadline_s=400), configs)
+
+
+def test_four_stage_gpipe_and_1f1b():
+    configs = [{"options": _pp(4, s, 4), "pp_regions": True, "n_layer": 4, "per_rank_batch": 4}
+               for s in ("gpipe", "1f1b")]
+    _check(run_ranks(pipeline_worker, 4, configs, deadline_s=400), configs)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_pipeline_with_data_parallel_zero(zero):
+    options = {"mesh": {"pp": 2, "dp": 2}, "zero": zero, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+    configs = [{"options": options, "pp_regions": True, "per_rank_batch": 2}]
+    _check(run_ranks(pipeline_worker, 4, configs, deadline_s=400), configs)
+
+
+def test_1f1b_holds_about_p_over_m_of_gpipes_activations_on_the_first_stage():
+    pp, microbatches = 2, 8
+    first_stage = run_ranks(activation_memory_worker, pp, microbatches)[0]
+    assert first_stage["1f1b"] <= first_stage["gpipe"] * pp / microbatches * 1.2, first_stage

@@ -1,0 +1,79 @@
+"""Schedules as data: presets, validation with precise errors, pictures. One process, no ranks."""
+import pytest
+
+from piper_fx import schedules
+from piper_fx.schedules import Action, Schedule, ScheduleError
+
+
+@pytest.mark.parametrize("pp", range(2, 9))
+def test_every_preset_validates_for_its_whole_range(pp):
+    for microbatches in range(pp, 3 * pp + 1):
+        schedules.build("gpipe", pp, microbatches)
+        schedules.build("1f1b", pp, microbatches)
+        for stages_per_rank in (2, 3):
+            if microbatches % pp == 0:
+                s = schedules.build("interleaved_1f1b", pp, microbatches, stages_per_rank)
+                assert s.num_stages == pp * stages_per_rank
+
+
+def _live_after_each_action(schedule: Schedule, rank: int) -> int:
+    live = peak = 0
+    for action in schedule.actions[rank]:
+        live += 1 if action.kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+def test_1f1b_bounds_in_flight_microbatches_by_pipeline_depth():
+    pp, m = 4, 12
+    one_f_one_b, gpipe = schedules.build("1f1b", pp, m), schedules.build("gpipe", pp, m)
+    for rank in range(pp):
+        assert _live_after_each_action(one_f_one_b, rank) == pp - rank
+        assert _live_after_each_action(gpipe, rank) == m
+
+
+def _two_rank(actions):
+    return Schedule("custom", 2, 2, (0, 1), actions)
+
+
+F, B = "F", "B"
+
+
+def test_missing_microbatch_is_named():
+    bad = _two_rank([[Action(0, F, 0), Action(0, F, 1), Action(0, B, 0), Action(0, B, 1)],
+                     [Action(1, F, 0), Action(1, B, 0), Action(1, F, 1)]])
+    with pytest.raises(ScheduleError, match=r"B1\.1 \(stage 1, microbatch 1\) is missing"):
+        schedules.validate(bad)
+
+
+def test_backward_before_its_forward_on_the_same_rank_deadlocks_with_the_action_named():
+    bad = _two_rank([[Action(0, F, 0), Action(0, F, 1), Action(0, B, 0), Action(0, B, 1)],
+                     [Action(1, B, 0), Action(1, F, 0), Action(1, F, 1), Action(1, B, 1)]])
+    with pytest.raises(ScheduleError, match=r"deadlocks: .*rank 1 action 0 B1\.0 waits for F1\.0"):
+        schedules.validate(bad)
+
+
+def test_cross_rank_cycle_is_a_deadlock():
+    # Rank 0 waits for the backward of microbatch 0 before it sends microbatch 1's forward,
+    # while rank 1 wants microbatch 1's forward before it runs microbatch 0's backward.
+    bad = _two_rank([[Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)],
+                     [Action(1, F, 0), Action(1, F, 1), Action(1, B, 0), Action(1, B, 1)]])
+    with pytest.raises(ScheduleError, match=r"rank 0 action 1 B0\.0 waits for B1\.0.*rank 1 action 1 F1\.1 waits for F0\.1"):
+        schedules.validate(bad)
+
+
+def test_action_on_the_wrong_rank_and_duplicates_are_named():
+    wrong_rank = _two_rank([[Action(1, F, 0)], []])
+    with pytest.raises(ScheduleError, match=r"rank 0 action 0 F1\.0: stage 1 is placed on rank 1"):
+        schedules.validate(wrong_rank)
+    twice = _two_rank([[Action(0, F, 0), Action(0, F, 0)], []])
+    with pytest.raises(ScheduleError, match=r"rank 0 action 1 F0\.0: F0\.0 already runs as rank 0 action 0"):
+        schedules.validate(twice)
+
+
+def test_text_grid_and_svg_come_from_the_simulation():
+    s = schedules.build("1f1b", 2, 4)
+    grid = schedules.text_grid(s)
+    assert grid.splitlines()[1].startswith("rank 0: F0.0 F0.1 .    B0.0")
+    picture = schedules.svg(s)
+    assert picture.startswith("<svg") and picture.count("<rect") == 16
