@@ -49,3 +49,13 @@ def test_1f1b_holds_about_p_over_m_of_gpipes_activations_on_the_first_stage():
     pp, microbatches = 2, 8
     first_stage = run_ranks(activation_memory_worker, pp, microbatches)[0]
     assert first_stage["1f1b"] <= first_stage["gpipe"] * pp / microbatches * 1.2, first_stage
+
+
+def test_bad_pipeline_setups_are_precise_errors():
+    from training import pipeline_errors_worker
+    for errors in run_ranks(pipeline_errors_worker, 2, deadline_s=300):
+        assert errors["few_microbatches"].startswith("PiperConfigError: options['pipeline.microbatches'] = 1")
+        assert "PiperConfigError" in errors["regions"] and "3 PP regions" in errors["regions"]
+        assert "multiple of the number of stages" in errors["regions"]
+        assert "PiperError" in errors["batch"] and "split into 2 microbatches" in errors["batch"]
+        assert "PiperError" in errors["tied"] and "wte.weight" in errors["tied"] and "tied" in errors["tied"]

@@ -188,3 +188,33 @@ def activation_memory_worker(rank: int, world: int, microbatches: int) -> dict:
         step(x, y).backward()
         peaks[schedule] = piper_fx.last_step_stats()["peak_activation_bytes"]
     return peaks
+
+
+def pipeline_errors_worker(rank: int, world: int) -> dict:
+    """Each bad pipeline setup, with the error it raises on this rank."""
+    from piper_fx import PiperConfigError, PiperError
+
+    def error_of(fn):
+        try:
+            fn()
+        except (PiperConfigError, PiperError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def train_once(n_layer=2, tied=False, batch=4, microbatches=2, regions=True):
+        cfg = GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=tied)
+        model = GPT(cfg)
+        if regions:
+            model.block_context = lambda: piper_fx.annotate("PP")
+        options = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"microbatches": microbatches}}
+        piper_fx.prepare(model, options)
+        x, y = global_batch(0, batch, cfg)
+        torch.compile(model, backend="piper", options=options)(x, y).backward()
+
+    return {
+        "few_microbatches": error_of(lambda: piper_fx.parse_options(
+            {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 1}})),
+        "regions": error_of(lambda: train_once(n_layer=3)),
+        "batch": error_of(lambda: train_once(batch=3)),
+        "tied": error_of(lambda: train_once(tied=True, regions=False)),
+    }
