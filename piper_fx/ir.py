@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 import torch
@@ -54,8 +54,15 @@ class GraphOutput:
 
 
 class TaskKind(enum.Enum):
-    F = "F"  # forward of a stage
-    B = "B"  # backward of a stage (input and weight gradients)
+    P = "P"  # prologue of a stage: once per step, before its first forward (e.g. ZeRO-1/2 gathers)
+    F = "F"  # forward of a stage, per microbatch
+    B = "B"  # backward of a stage (input and weight gradients), per microbatch
+    E = "E"  # epilogue of a stage: once per step, after its last backward (e.g. DDP all-reduce)
+
+
+# `node.meta[PHASE]` marks ops that run once per step rather than per microbatch.
+PHASE = "piper_phase"
+STEP_START, STEP_END = "step_start", "step_end"
 
 
 @dataclass
@@ -78,10 +85,10 @@ class Task:
 @dataclass(frozen=True)
 class Run:
     task: str
-    microbatch: int
+    microbatch: int | None  # None: a once-per-step task (prologue, epilogue)
 
     def __str__(self) -> str:
-        return f"run   {self.task}.{self.microbatch}"
+        return f"run   {self.task}" + ("" if self.microbatch is None else f".{self.microbatch}")
 
 
 @dataclass(frozen=True)
@@ -175,6 +182,14 @@ class TrainingDAG:
     # Pipeline rank that computes each parameter's gradient (by placeholder name):
     # its copy is the one the optimizer updates.
     parameter_owner: dict[str, int] = field(default_factory=dict)
+
+    def copy(self) -> "TrainingDAG":
+        """A DAG with its own copy of the joint graph, before any tasks: passes
+        transform the copy in place, so one capture can be planned for many ranks."""
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(self.joint.graph, {}))
+        return TrainingDAG(fx.GraphModule(self.joint, graph), [replace(i) for i in self.inputs],
+                           [replace(o) for o in self.outputs], self.strategy, self.dp_group, self.training)
 
     def input_by_name(self) -> dict[str, GraphInput]:
         return {i.name: i for i in self.inputs}

@@ -19,6 +19,13 @@ def _pp(pp, schedule, microbatches, **pipeline):
     return {"mesh": {"pp": pp}, "pipeline": {"schedule": schedule, "microbatches": microbatches, **pipeline}}
 
 
+def _check_each_parameter_trained_on_exactly_one_pipeline_rank(results, config_index=0):
+    runs = [runs[config_index] for runs in results]
+    owned = [set(run["params_with_state"]) for run in runs]
+    assert all(owned) and set().union(*owned) == set(runs[0]["all_params"])
+    assert sum(len(o) for o in owned) == len(runs[0]["all_params"])  # no parameter on two ranks
+
+
 def test_two_stage_schedules_and_model_shapes():
     configs = [
         {"options": _pp(2, "gpipe", 4), "pp_regions": True, "per_rank_batch": 4},
@@ -29,7 +36,9 @@ def test_two_stage_schedules_and_model_shapes():
         {"options": _pp(2, "1f1b", 2), "model": "skip", "per_rank_batch": 4},
         {"options": _pp(2, "gpipe", 2), "model": "two_streams", "per_rank_batch": 4},
     ]
-    _check(run_ranks(pipeline_worker, 2, configs, deadline_s=400), configs)
+    results = run_ranks(pipeline_worker, 2, configs, deadline_s=400)
+    _check(results, configs)
+    _check_each_parameter_trained_on_exactly_one_pipeline_rank(results)
 
 
 def test_four_stage_gpipe_and_1f1b():

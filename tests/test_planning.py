@@ -54,28 +54,37 @@ def _counts(ops):
     return {kind: ops.count(kind) for kind in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
 
 
-def test_ddp_all_reduces_each_gradient_once(plans):
-    params = 2 + 2 * 12 + 2  # wte (tied with lm_head), wpe, 12 per block, ln_f
-    assert _counts(plans[0]["F0"]) == {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": 0}
-    assert _counts(plans[0]["B0"]) == {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": params}
+NONE = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": 0}
+PARAMS, USES = 28, 29  # wte (tied with lm_head: used by two modules), wpe, 12 per block, ln_f
 
 
-def test_zero1_and_2_gather_each_parameter_once_per_step(plans):
-    params, uses = 28, 29  # the tied embedding is used by two modules: two gradient reductions
-    assert _counts(plans[1]["F0"])["all_gather_into_tensor"] == params
-    assert _counts(plans[1]["B0"]) == {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": uses}
-    assert _counts(plans[2]["F0"])["all_gather_into_tensor"] == params
-    assert _counts(plans[2]["B0"]) == {"all_gather_into_tensor": 0, "reduce_scatter_tensor": uses, "all_reduce": 0}
+def test_ddp_all_reduces_each_gradient_once_per_step(plans):
+    assert set(plans[0]) == {"F0", "B0", "E0"}
+    assert _counts(plans[0]["F0"]) == _counts(plans[0]["B0"]) == NONE
+    assert _counts(plans[0]["E0"]) == {**NONE, "all_reduce": PARAMS}
+
+
+def test_zero1_gathers_once_per_step_and_all_reduces_once_per_step(plans):
+    assert _counts(plans[1]["P0"]) == {**NONE, "all_gather_into_tensor": PARAMS}
+    assert _counts(plans[1]["F0"]) == _counts(plans[1]["B0"]) == NONE
+    assert _counts(plans[1]["E0"]) == {**NONE, "all_reduce": USES}
+
+
+def test_zero2_gathers_once_per_step_and_reduce_scatters_in_backward(plans):
+    assert _counts(plans[2]["P0"]) == {**NONE, "all_gather_into_tensor": PARAMS}
+    assert _counts(plans[2]["F0"]) == NONE
+    assert _counts(plans[2]["B0"]) == {**NONE, "reduce_scatter_tensor": USES}
+    assert "E0" not in plans[2]
 
 
 def test_zero3_gathers_per_use_in_forward_and_again_in_backward(plans):
-    uses = 29
-    assert _counts(plans[3]["F0"]) == {"all_gather_into_tensor": uses, "reduce_scatter_tensor": 0, "all_reduce": 0}
+    assert set(plans[3]) == {"F0", "B0"}
+    assert _counts(plans[3]["F0"]) == {**NONE, "all_gather_into_tensor": USES}
     backward = _counts(plans[3]["B0"])
     # Every use whose backward reads the weight gathers it again (embeddings and
     # layer-norm/bias parameters feed their backward without needing the full value).
-    assert 0 < backward["all_gather_into_tensor"] < uses
-    assert backward["reduce_scatter_tensor"] == uses and backward["all_reduce"] == 0
+    assert 0 < backward["all_gather_into_tensor"] < USES
+    assert backward["reduce_scatter_tensor"] == USES and backward["all_reduce"] == 0
 
 
 def _plan_world_64() -> dict:
@@ -87,8 +96,10 @@ def _plan_world_64() -> dict:
 
     import piper_fx
     from examples.gpt import GPT, GPTConfig
-    from piper_fx.backend import plan
+    from piper_fx.capture import capture
     from piper_fx.ir import Recv, Send
+    from piper_fx.passes import run_passes
+    from piper_fx.sharding.mesh import dp_group_name
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
     torch.manual_seed(0)
@@ -107,9 +118,11 @@ def _plan_world_64() -> dict:
     torch.compile(model, backend=keep_graph)(x, y)
     start = time.monotonic()
     strategy = piper_fx.parse_options(options)
+    dag = capture(captured["gm"], captured["example_inputs"], strategy, dp_group_name(strategy))
     programs = {}
-    for dp_index in range(8):
-        programs.update(plan(captured["gm"], captured["example_inputs"], strategy.with_rank(dp_index)).programs)
+    for dp_index in range(8):  # one capture; the passes per data-parallel index (ZeRO-1 slices and peers differ)
+        planned = run_passes(dag.copy(), strategy.with_rank(dp_index), lambda *_: None)
+        programs.update(planned.programs)
     seconds = time.monotonic() - start
     sends = {(r, i.peer, i.tag) for r, p in programs.items() for i in p.instructions if isinstance(i, Send)}
     recvs = {(i.peer, r, i.tag) for r, p in programs.items() for i in p.instructions if isinstance(i, Recv)}

@@ -94,6 +94,8 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
         "loss_errors": loss_errors,
         "param_errors": param_errors,
         "optimizer_state_bytes": optimizer_state_bytes(opt),
+        "params_with_state": sorted(name for name, p in model.named_parameters() if p in opt.state),
+        "all_params": sorted(name for name, _ in model.named_parameters()),
         "reference_state_bytes": optimizer_state_bytes(ref_opt),
         "local_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),

@@ -8,9 +8,11 @@ and no `piper::reduce_grad` node remains:
   - ZeRO-0 (DDP): all-reduce(avg) of the full gradient;
   - ZeRO-1: all-reduce(avg) of the full gradient, then this rank's row shard;
   - ZeRO-2/3: reduce-scatter(avg) straight into the row shard.
-Each collective is issued where its gradient is complete, in backward order,
-which is the same on every rank (the graph is the same), so ranks agree on the
-order of collectives.
+ZeRO-0/1 reductions are marked to run once per step on the gradient summed
+over microbatches (as DDP under `no_sync` then a final step); ZeRO-2/3
+reduce-scatter each microbatch's gradient where it is complete. The order is
+the backward order, the same on every rank (the graph is the same), so ranks
+agree on the order of collectives.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 from ..capture import decompositions_for
 from ..collectives.emit import insert_traced
 from ..collectives.lowering import all_reduce_mean, all_reduce_then_take_rows, reduce_scatter_rows
-from ..ir import InputRole, OutputRole, TrainingDAG
+from ..ir import PHASE, STEP_END, InputRole, OutputRole, TrainingDAG
 from ..options import Strategy
 
 REDUCE_GRAD = torch.ops.piper.reduce_grad.default
@@ -39,8 +41,12 @@ def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:
             fn = functools.partial(reduce_scatter_rows, shard_rows=shard_rows, group_size=strategy.dp,
                                    group_name=group_name)
             kind = "reduce_scatter"
+        # ZeRO-1 reduces the step's summed gradient once; ZeRO-2/3 reduce-scatter
+        # every microbatch's, so no full gradient outlives its microbatch.
+        phase = {PHASE: STEP_END} if strategy.zero == 1 else {}
         reduced = insert_traced(graph, fn, [marker.args[0]], before=marker, like=marker,
-                                decompositions=decompositions_for(strategy), meta={"piper_comm": f"{kind} grad"})
+                                decompositions=decompositions_for(strategy),
+                                meta={"piper_comm": f"{kind} grad", **phase})
         marker.replace_all_uses_with(reduced)
         graph.erase_node(marker)
     dag.refresh_output_names()
@@ -57,7 +63,7 @@ def _all_reduce_full_gradients(dag: TrainingDAG, strategy: Strategy) -> None:
         if source is not None and source.role is InputRole.PARAM:
             node = insert_traced(graph, functools.partial(all_reduce_mean, group_name=dag.dp_group), [node],
                                  before=node.next, like=node, decompositions=decompositions_for(strategy),
-                                 meta={"piper_comm": f"all_reduce grad {source.fqn}"})
+                                 meta={"piper_comm": f"all_reduce grad {source.fqn}", PHASE: STEP_END})
         new_outputs.append(node)
     dag.set_outputs(new_outputs)
 

@@ -3,7 +3,10 @@
 Requires: the joint graph after the collective passes; `strategy.num_stages`
 stages (pp * stages_per_rank).
 Guarantees: `dag.tasks` holds F<s> for every stage s (and B<s> when training),
-each with its own FX graph; together they compute exactly the joint graph.
+plus P<s> / E<s> for the stage's once-per-step ops (marked by the collective
+passes: ZeRO-1/2 gathers before the first microbatch, DDP / ZeRO-1 gradient
+reductions after the last), each with its own FX graph; together they compute
+exactly the joint graph.
 Values keep their joint-graph node names across tasks. Stage assignment:
   - forward: `piper_fx.annotate("PP")` regions, grouped in order into the
     stages (their count must divide by the number of stages); with no region,
@@ -26,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import PiperConfigError, PiperError
-from ..ir import InputRole, Task, TaskKind, TrainingDAG, forward_nodes
+from ..ir import PHASE, STEP_END, STEP_START, InputRole, Task, TaskKind, TrainingDAG, forward_nodes
 from ..options import Strategy
 
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -170,21 +173,34 @@ def split_stages(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
             stage[node] = stage[node.args[0]]
     dag.parameter_owner = _parameter_owners(dag, stage, strategy)
 
-    owner: dict[fx.Node, tuple[int, TaskKind]] = {
-        n: (stage[n], TaskKind.F if n in forward else TaskKind.B) for n in compute}
-    final_outputs = {n for n in dag.output_node().args[0]}
+    kind = _task_kinds(compute, forward)
+    final_outputs = set(dag.output_node().args[0])
     tasks = []
     for s in range(num_stages):
-        for kind in (TaskKind.F, TaskKind.B) if dag.training else (TaskKind.F,):
-            nodes = [n for n in compute if owner[n] == (s, kind)]
-            members = set(nodes)
-            inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in members))
-            outputs = [n for n in nodes if n in final_outputs or any(u not in members and u.op != "output"
-                                                                     for u in n.users)]
+        for task_kind in TaskKind:
+            nodes = [n for n in compute if stage[n] == s and kind[n] is task_kind]
             if not nodes:
                 continue
-            tasks.append(Task(f"{kind.value}{s}", kind, s, extract_graph(dag.joint, inputs, nodes, outputs),
+            members = set(nodes)
+            inputs = list(dict.fromkeys(i for n in nodes for i in n.all_input_nodes if i not in members))
+            outputs = [n for n in nodes if n in final_outputs
+                       or any(u not in members and u.op != "output" for u in n.users)]
+            tasks.append(Task(f"{task_kind.value}{s}", task_kind, s, extract_graph(dag.joint, inputs, nodes, outputs),
                               inputs=[n.name for n in inputs], outputs=[n.name for n in outputs]))
     dag.tasks = tasks
     return dag
 
+
+def _task_kinds(compute: list[fx.Node], forward: set[fx.Node]) -> dict[fx.Node, TaskKind]:
+    """Prologue (once-per-step ops marked STEP_START), epilogue (ops marked
+    STEP_END and everything computed from them), else forward or backward."""
+    kind: dict[fx.Node, TaskKind] = {}
+    for node in compute:
+        phase = node.meta.get(PHASE)
+        if phase == STEP_START:
+            kind[node] = TaskKind.P
+        elif phase == STEP_END or any(kind.get(i) is TaskKind.E for i in node.all_input_nodes):
+            kind[node] = TaskKind.E
+        else:
+            kind[node] = TaskKind.F if node in forward else TaskKind.B
+    return kind

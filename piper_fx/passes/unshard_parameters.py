@@ -2,9 +2,10 @@
 
 Requires: the captured joint graph; markers read only PARAM_SHARD placeholders.
 Guarantees: no `piper::unshard` node remains.
-  - ZeRO-1/2: one all-gather per sharded parameter at the top of the step; its
-    full value serves every forward use and is kept for the backward
-    ("gathered once per step").
+  - ZeRO-1/2: one all-gather per sharded parameter at the top of the step
+    (marked to run once per step, before any microbatch); its full value
+    serves every forward use and is kept for the backward ("gathered once
+    per step").
   - ZeRO-3: one all-gather per use site in forward (Dynamo emits a marker per
     module access, so a tied weight is gathered by each module that uses it),
     freed after its last forward use; every backward use gets its own
@@ -22,14 +23,14 @@ import torch.fx as fx
 from ..capture import decompositions_for
 from ..collectives.emit import insert_traced
 from ..collectives.lowering import gather_rows
-from ..ir import TrainingDAG, forward_nodes
+from ..ir import PHASE, STEP_START, TrainingDAG, forward_nodes
 from ..options import Strategy
 
 UNSHARD = torch.ops.piper.unshard.default
 
 
 def _splice_gather(dag: TrainingDAG, strategy: Strategy, marker: fx.Node, *, before: fx.Node,
-                   like: fx.Node, phase: str) -> fx.Node:
+                   like: fx.Node, phase: str, meta: dict | None = None) -> fx.Node:
     """Insert the all-gather that rebuilds `marker`'s full parameter before `before`."""
     shard, full_shape, group_name = marker.args
     gather = functools.partial(gather_rows, full_shape=list(full_shape), group_size=strategy.dp,
@@ -37,7 +38,7 @@ def _splice_gather(dag: TrainingDAG, strategy: Strategy, marker: fx.Node, *, bef
     fqn = dag.input_by_name()[shard.name].fqn
     return insert_traced(dag.joint.graph, gather, [shard], before=before, like=like,
                          decompositions=decompositions_for(strategy),
-                         meta={"piper_comm": f"all_gather {fqn} ({phase})"})
+                         meta={"piper_comm": f"all_gather {fqn} ({phase})", **(meta or {})})
 
 
 def _gather_once_per_step(dag: TrainingDAG, strategy: Strategy, markers: list[fx.Node]) -> None:
@@ -47,7 +48,8 @@ def _gather_once_per_step(dag: TrainingDAG, strategy: Strategy, markers: list[fx
     for marker in markers:  # all gathers first: `top` may itself be a marker erased below
         shard = marker.args[0]
         if shard not in gathered:
-            gathered[shard] = _splice_gather(dag, strategy, marker, before=top, like=marker, phase="step")
+            gathered[shard] = _splice_gather(dag, strategy, marker, before=top, like=marker, phase="step",
+                                             meta={PHASE: STEP_START})
     for marker in markers:
         marker.replace_all_uses_with(gathered[marker.args[0]])
         graph.erase_node(marker)
