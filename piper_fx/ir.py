@@ -57,6 +57,8 @@ class TaskKind(enum.Enum):
     P = "P"  # prologue of a stage: once per step, before its first forward (e.g. ZeRO-1/2 gathers)
     F = "F"  # forward of a stage, per microbatch
     B = "B"  # backward of a stage (input and weight gradients), per microbatch
+    I = "I"  # noqa: E741 - backward split for zero-bubble schedules: input gradient, per microbatch
+    W = "W"  # ... and weight gradient, which nothing downstream waits for, per microbatch
     E = "E"  # epilogue of a stage: once per step, after its last backward (e.g. DDP all-reduce)
 
 

@@ -58,7 +58,7 @@ def test_cross_rank_cycle_is_a_deadlock():
     # while rank 1 wants microbatch 1's forward before it runs microbatch 0's backward.
     bad = _two_rank([[Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)],
                      [Action(1, F, 0), Action(1, F, 1), Action(1, B, 0), Action(1, B, 1)]])
-    with pytest.raises(ScheduleError, match=r"rank 0 action 1 B0\.0 waits for B1\.0.*rank 1 action 1 F1\.1 waits for F0\.1"):
+    with pytest.raises(ScheduleError, match=r"rank 0 action 1 B0\.0 waits for B/I1\.0.*rank 1 action 1 F1\.1 waits for F0\.1"):
         schedules.validate(bad)
 
 
@@ -77,3 +77,46 @@ def test_text_grid_and_svg_come_from_the_simulation():
     assert grid.splitlines()[1].startswith("rank 0: F0.0 F0.1 .    B0.0")
     picture = schedules.svg(s)
     assert picture.startswith("<svg") and picture.count("<rect") == 16
+
+
+def test_w_before_its_i_is_rejected_with_the_action_named():
+    bad = Schedule("custom", 1, 1, (0,), [[Action(0, F, 0), Action(0, "W", 0), Action(0, "I", 0)]])
+    with pytest.raises(ScheduleError, match=r"rank 0 action 1 W0\.0 waits for I0\.0"):
+        schedules.validate(bad)
+
+
+def test_b_and_a_split_backward_of_the_same_microbatch_is_rejected():
+    bad = Schedule("custom", 1, 1, (0,), [[Action(0, F, 0), Action(0, "I", 0), Action(0, "W", 0),
+                                           Action(0, B, 0)]])
+    with pytest.raises(ScheduleError, match=r"B0\.0 and a split backward"):
+        schedules.validate(bad)
+
+
+def _random_costs(seed, count=300):
+    import random
+    rng = random.Random(seed)
+    for _ in range(count):
+        pp = rng.randint(2, 8)
+        yield pp, rng.randint(pp, 3 * pp), rng.uniform(0.1, 3), rng.uniform(0.1, 3), rng.uniform(0.05, 3)
+
+
+def test_1f1b_bubble_is_p_minus_1_times_f_plus_b_for_any_costs():
+    for pp, m, f, i, w in _random_costs(0):
+        sim = schedules.simulate(schedules.build("1f1b", pp, m), schedules.Costs(F=f, B=i + w))
+        assert max(sim.bubbles) == pytest.approx((pp - 1) * (f + i + w))
+
+
+def test_zb1p_bubble_is_p_minus_1_times_f_plus_b_minus_2w():
+    # The closed form holds when W is no longer than F or I: with W > F + I it
+    # would be negative, so "W <= B" alone cannot be its condition.
+    checked = 0
+    for pp, m, f, i, w in _random_costs(1, 1000):
+        if w > min(f, i):
+            continue
+        costs = schedules.Costs(F=f, B=i + w, I=i, W=w)
+        sim = schedules.simulate(schedules.build("zb1p", pp, m), costs)
+        assert max(sim.bubbles) == pytest.approx((pp - 1) * (f + i + w - 2 * w))
+        # Deferred W's hold activations longer on later ranks, but no rank above 1F1B's peak (pp).
+        assert max(sim.peak_activations) == pp
+        checked += 1
+    assert checked > 100

@@ -67,7 +67,38 @@ def interleaved_1f1b(ranks: int, microbatches: int, stages_per_rank: int = 2) ->
     return Schedule("interleaved_1f1b", P, M, stage_to_rank, actions)
 
 
-PRESETS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b}
+def zb1p(ranks: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """ZB-H1 (zero bubble, 1F1B memory): 1F1B with each backward split into I and W.
+
+    A rank sends the input gradient (I) as soon as it can and postpones weight
+    gradients (W): rank r keeps up to r of them pending, then runs the oldest,
+    so the W's fill the time 1F1B spends waiting in its cool-down.
+    """
+    actions = []
+    for r in range(ranks):
+        warmup = min(ranks - 1 - r, microbatches)
+        order = [Action(r, "F", m) for m in range(warmup)]
+        pending: list[int] = []
+
+        def input_grad(m: int) -> None:
+            order.append(Action(r, "I", m))
+            pending.append(m)
+            if len(pending) > r:
+                order.append(Action(r, "W", pending.pop(0)))
+
+        forward = warmup
+        for backward in range(microbatches):
+            if forward < microbatches:
+                order.append(Action(r, "F", forward))
+                forward += 1
+            input_grad(backward)
+        order += [Action(r, "W", m) for m in pending]
+        actions.append(order)
+    return Schedule("zb1p", ranks, microbatches, tuple(range(ranks)), actions)
+
+
+PRESETS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "zb1p": zb1p}
+SPLIT_BACKWARD = {"zb1p"}  # presets whose backward runs as I and W
 
 
 def min_microbatches(name: str, ranks: int, stages_per_rank: int) -> int:

@@ -5,7 +5,7 @@ from html import escape
 
 from .schedule import Schedule, run_order
 
-_COLORS = {"F": "#6fa8dc", "B": "#93c47d"}
+_COLORS = {"F": "#6fa8dc", "B": "#93c47d", "I": "#b6d7a8", "W": "#ffd966"}
 
 
 def text_grid(schedule: Schedule) -> str:

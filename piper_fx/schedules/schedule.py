@@ -1,16 +1,21 @@
 """A pipeline schedule as data: per-rank lists of actions, and its checks.
 
-A schedule places `num_stages` stages on `num_ranks` pipeline ranks and lists,
-for each rank, the compute actions it runs in order. The one happens-before
-rule every schedule obeys:
+A schedule places `num_stages` stages on `num_ranks` pipeline ranks (in any
+shape: in order, looped, or a V) and lists, for each rank, the compute actions
+it runs in order. Kinds: F (forward), B (whole backward), or the backward
+split for zero-bubble schedules into I (input gradient, which the previous
+stage waits for) and W (weight gradient, which nothing waits for). The one
+happens-before rule every schedule obeys:
 
-    F(s, m) needs F(s-1, m)        B(s, m) needs F(s, m) and B(s+1, m)
+    F(s, m) needs F(s-1, m)
+    B(s, m) and I(s, m) need F(s, m) and the input gradient of (s+1, m)
+    W(s, m) needs I(s, m)
 
-(for the last stage, B needs only its own F). `validate` checks that every
-(stage, microbatch) has exactly one F and one B on the rank that holds the
-stage, and simulates the ranks running their lists with non-blocking sends and
-blocking receives, which proves the schedule cannot deadlock or names the
-first action that can never run.
+where "the input gradient of (s, m)" is B(s, m) or I(s, m). `validate` checks
+that every (stage, microbatch) has one F and either one B or one I and one W,
+on the rank that holds the stage, and simulates the ranks running their lists
+with non-blocking sends and blocking receives, which proves the schedule
+cannot deadlock or names the first action that can never run.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ class ScheduleError(ValueError):
 @dataclass(frozen=True, order=True)
 class Action:
     stage: int
-    kind: str          # "F" (forward) or "B" (backward)
+    kind: str          # "F", "B", "I" (input gradient) or "W" (weight gradient)
     microbatch: int
 
     def __str__(self) -> str:
@@ -47,15 +52,34 @@ class Schedule:
         return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
 
 
-def dependencies(action: Action, num_stages: int) -> list[Action]:
-    """The actions whose results `action` reads."""
+KINDS = ("F", "B", "I", "W")
+
+
+def dependencies(action: Action, num_stages: int) -> list[tuple[str, int, int]]:
+    """What `action` waits for, as events (kind, stage, microbatch); the event
+    ("dX", s, m) is the input gradient of (s, m), made by B or I."""
     s, m = action.stage, action.microbatch
     if action.kind == "F":
-        return [Action(s - 1, "F", m)] if s > 0 else []
-    deps = [Action(s, "F", m)]
+        return [("F", s - 1, m)] if s > 0 else []
+    if action.kind == "W":
+        return [("I", s, m)]
+    deps = [("F", s, m)]
     if s < num_stages - 1:
-        deps.append(Action(s + 1, "B", m))
+        deps.append(("dX", s + 1, m))
     return deps
+
+
+def events(action: Action) -> list[tuple[str, int, int]]:
+    """The events an action completes."""
+    done = [(action.kind, action.stage, action.microbatch)]
+    if action.kind in ("B", "I"):
+        done.append(("dX", action.stage, action.microbatch))
+    return done
+
+
+def _event_str(event: tuple[str, int, int]) -> str:
+    kind, stage, microbatch = event
+    return f"{'B/I' if kind == 'dX' else kind}{stage}.{microbatch}"
 
 
 def _check_coverage(schedule: Schedule) -> None:
@@ -63,8 +87,8 @@ def _check_coverage(schedule: Schedule) -> None:
     for rank, actions in enumerate(schedule.actions):
         for index, action in enumerate(actions):
             where = f"rank {rank} action {index} {action}"
-            if action.kind not in ("F", "B"):
-                raise ScheduleError(f"{where}: unknown kind {action.kind!r} (valid: F, B)")
+            if action.kind not in KINDS:
+                raise ScheduleError(f"{where}: unknown kind {action.kind!r} (valid: {', '.join(KINDS)})")
             if not 0 <= action.stage < schedule.num_stages:
                 raise ScheduleError(f"{where}: stage {action.stage} is not in 0..{schedule.num_stages - 1}")
             if not 0 <= action.microbatch < schedule.num_microbatches:
@@ -78,7 +102,11 @@ def _check_coverage(schedule: Schedule) -> None:
             seen[action] = (rank, index)
     for stage in range(schedule.num_stages):
         for m in range(schedule.num_microbatches):
-            for kind in ("F", "B"):
+            split = Action(stage, "I", m) in seen or Action(stage, "W", m) in seen
+            if split and Action(stage, "B", m) in seen:
+                raise ScheduleError(f"{Action(stage, 'B', m)} and a split backward (I/W) of the same "
+                                    f"microbatch both run (rank {seen[Action(stage, 'B', m)][0]})")
+            for kind in ("F", "I", "W") if split else ("F", "B"):
                 if Action(stage, kind, m) not in seen:
                     raise ScheduleError(
                         f"{Action(stage, kind, m)} (stage {stage}, microbatch {m}) is missing: "
@@ -92,7 +120,7 @@ def run_order(schedule: Schedule) -> list[tuple[int, int, Action]]:
     sends never block. Raises `ScheduleError` if some ranks can never proceed.
     """
     position = [0] * schedule.num_ranks
-    done: set[Action] = set()
+    done: set[tuple[str, int, int]] = set()
     order: list[tuple[int, int, Action]] = []
     step = 0
     remaining = sum(len(a) for a in schedule.actions)
@@ -108,12 +136,12 @@ def run_order(schedule: Schedule) -> list[tuple[int, int, Action]]:
             for rank, actions in enumerate(schedule.actions):
                 if position[rank] < len(actions):
                     action = actions[position[rank]]
-                    waits = [str(d) for d in dependencies(action, schedule.num_stages) if d not in done]
+                    waits = [_event_str(d) for d in dependencies(action, schedule.num_stages) if d not in done]
                     blocked.append(f"rank {rank} action {position[rank]} {action} waits for {', '.join(waits)}")
             raise ScheduleError("the schedule deadlocks: " + "; ".join(blocked))
         for rank, action in ready:
             order.append((step, rank, action))
-            done.add(action)
+            done.update(events(action))
             position[rank] += 1
             remaining -= 1
         step += 1

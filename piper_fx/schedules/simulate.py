@@ -1,0 +1,81 @@
+"""Simulate a schedule with per-action costs: timelines, makespan, bubbles, live activations.
+
+Ranks run their action lists in order; an action starts when its rank is
+free and its dependencies have finished (plus `p2p` when a dependency ran on
+another rank). Sends never block. This is the timing model of the closed
+forms in DeepSeek's DualPipe table, e.g. 1F1B's bubble (P-1)(F+B).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .schedule import Action, Schedule, ScheduleError, dependencies, events
+
+
+@dataclass(frozen=True)
+class Costs:
+    F: float = 1.0
+    B: float = 2.0
+    I: float = 1.0  # noqa: E741 - the name is the action kind
+    W: float = 1.0
+    p2p: float = 0.0
+
+    def of(self, action: Action) -> float:
+        return getattr(self, action.kind)
+
+
+@dataclass
+class Simulation:
+    timelines: list[list[tuple[float, float, Action]]]  # per rank: (start, end, action)
+    makespan: float
+    bubbles: list[float]            # per rank: makespan minus busy time
+    bubble_fraction: float          # idle share of all ranks' time
+    peak_activations: list[int]     # per rank: most microbatches whose activations are held at once
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> Simulation:
+    costs = costs or Costs()
+    finished: dict[tuple[str, int, int], tuple[float, int]] = {}  # event -> (end time, rank)
+    free = [0.0] * schedule.num_ranks
+    position = [0] * schedule.num_ranks
+    timelines: list[list[tuple[float, float, Action]]] = [[] for _ in range(schedule.num_ranks)]
+    remaining = sum(len(row) for row in schedule.actions)
+    while remaining:
+        best = None
+        for rank, row in enumerate(schedule.actions):
+            if position[rank] == len(row):
+                continue
+            action = row[position[rank]]
+            deps = dependencies(action, schedule.num_stages)
+            if not all(d in finished for d in deps):
+                continue
+            start = max([free[rank]] + [finished[d][0] + (costs.p2p if finished[d][1] != rank else 0.0)
+                                        for d in deps])
+            if best is None or start < best[0]:
+                best = (start, rank, action)
+        if best is None:
+            raise ScheduleError("the schedule deadlocks (see validate for the blocked actions)")
+        start, rank, action = best
+        end = start + costs.of(action)
+        timelines[rank].append((start, end, action))
+        for event in events(action):
+            finished[event] = (end, rank)
+        free[rank] = end
+        position[rank] += 1
+        remaining -= 1
+    makespan = max(free)
+    bubbles = [makespan - sum(e - s for s, e, _ in line) for line in timelines]
+    return Simulation(timelines, makespan, bubbles, sum(bubbles) / (makespan * schedule.num_ranks),
+                      [_peak_live(line) for line in timelines])
+
+
+def _peak_live(timeline: list[tuple[float, float, Action]]) -> int:
+    """Microbatch-stages held: from a forward until its weight gradient (or whole backward) is done."""
+    live = peak = 0
+    for _, _, action in timeline:
+        if action.kind == "F":
+            live += 1
+            peak = max(peak, live)
+        elif action.kind in ("B", "W"):
+            live -= 1
+    return peak
