@@ -151,7 +151,7 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
 
 
 def _parse_pipeline(pipeline: Any, pp: int) -> tuple[str, int, int]:
-    from .schedules import PRESETS, min_microbatches
+    from .schedules import PRESETS, V_SHAPED, min_microbatches
 
     if pipeline is None:
         if pp > 1:
@@ -167,12 +167,16 @@ def _parse_pipeline(pipeline: Any, pp: int) -> tuple[str, int, int]:
     if schedule not in PRESETS:
         raise PiperConfigError("pipeline.schedule", schedule, f"one of {sorted(PRESETS)}")
     interleaved = schedule == "interleaved_1f1b"
-    stages_per_rank = pipeline.get("stages_per_rank", 2 if interleaved else 1)
+    stages_per_rank = pipeline.get("stages_per_rank", 2 if interleaved or schedule in V_SHAPED else 1)
     if not _is_int(stages_per_rank) or stages_per_rank < 1:
         raise PiperConfigError("pipeline.stages_per_rank", stages_per_rank, "a positive int")
-    if interleaved and stages_per_rank < 2:
+    if schedule in V_SHAPED:
+        if stages_per_rank != 2:
+            raise PiperConfigError("pipeline.stages_per_rank", stages_per_rank,
+                                   f"2 for {schedule} (two stages per rank, in a V)")
+    elif interleaved and stages_per_rank < 2:
         raise PiperConfigError("pipeline.stages_per_rank", stages_per_rank, "at least 2 for interleaved_1f1b")
-    if not interleaved and stages_per_rank != 1:
+    elif not interleaved and stages_per_rank != 1:
         raise PiperConfigError("pipeline.stages_per_rank", stages_per_rank,
                                f"1 for {schedule} (use interleaved_1f1b for several stages per rank)")
     microbatches = pipeline.get("microbatches", pp)

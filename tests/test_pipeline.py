@@ -37,15 +37,17 @@ def test_two_stage_schedules_and_model_shapes():
         {"options": _pp(2, "gpipe", 2), "model": "two_streams", "per_rank_batch": 4},
         {"options": _pp(2, "zb1p", 4), "pp_regions": True, "per_rank_batch": 4},
         {"options": _pp(2, "zb1p", 2), "model": "skip", "per_rank_batch": 4},
+        {"options": _pp(2, "zbv", 4), "pp_regions": True, "n_layer": 4, "per_rank_batch": 4},
     ]
     results = run_ranks(pipeline_worker, 2, configs, deadline_s=400)
     _check(results, configs)
     _check_each_parameter_trained_on_exactly_one_pipeline_rank(results)
 
 
-def test_four_stage_gpipe_1f1b_and_zb1p():
+def test_four_rank_gpipe_1f1b_zb1p_and_zbv():
     configs = [{"options": _pp(4, s, 4), "pp_regions": True, "n_layer": 4, "per_rank_batch": 4}
                for s in ("gpipe", "1f1b", "zb1p")]
+    configs.append({"options": _pp(4, "zbv", 8), "pp_regions": True, "n_layer": 8, "per_rank_batch": 8})
     _check(run_ranks(pipeline_worker, 4, configs, deadline_s=400), configs)
 
 

@@ -10,6 +10,8 @@ def test_every_preset_validates_for_its_whole_range(pp):
     for microbatches in range(pp, 3 * pp + 1):
         schedules.build("gpipe", pp, microbatches)
         schedules.build("1f1b", pp, microbatches)
+        schedules.build("zb1p", pp, microbatches)
+        assert schedules.build("zbv", pp, microbatches, 2).stage_to_rank == schedules.v_placement(pp)
         for stages_per_rank in (2, 3):
             if microbatches % pp == 0:
                 s = schedules.build("interleaved_1f1b", pp, microbatches, stages_per_rank)
@@ -120,3 +122,12 @@ def test_zb1p_bubble_is_p_minus_1_times_f_plus_b_minus_2w():
         assert max(sim.peak_activations) == pp
         checked += 1
     assert checked > 100
+
+
+def test_zbv_simulated_bubble_beats_1f1b_on_the_same_layers():
+    # A V stage holds half a rank's layers: half the per-stage cost of a 1F1B stage.
+    for pp in (2, 4, 8):
+        m = 2 * pp
+        flat = schedules.simulate(schedules.build("1f1b", pp, m), schedules.Costs(F=2, B=4))
+        v = schedules.simulate(schedules.build("zbv", pp, m, 2), schedules.Costs(F=1, B=2, I=1, W=1))
+        assert v.makespan < flat.makespan and max(v.bubbles) < max(flat.bubbles), (pp, v.bubbles, flat.bubbles)

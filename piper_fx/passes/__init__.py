@@ -11,6 +11,7 @@ from typing import Callable
 from ..ir import TrainingDAG
 from ..options import Strategy
 from .build_rank_programs import build_rank_programs
+from .choose_schedule import choose_schedule
 from .propagate_placements import propagate_placements
 from .reduce_gradients import reduce_gradients
 from .split_backward import split_backward
@@ -23,6 +24,7 @@ PIPELINE: tuple[Pass, ...] = (
     unshard_parameters,      # ZeRO: parameter all-gathers (per step, or per use and again in backward)
     reduce_gradients,        # DP/ZeRO: gradient all-reduce / reduce-scatter, averaged over dp
     propagate_placements,    # DTensor-style spec on every node (descriptive)
+    choose_schedule,         # the validated pipeline schedule: stage placement and action order
     split_stages,            # joint graph -> per stage: F and B tasks, P/E for once-per-step ops
     split_backward,          # zero-bubble schedules: B -> I (input grads) and W (weight grads)
     build_rank_programs,     # schedule + tasks -> each rank's program (with send/recv)

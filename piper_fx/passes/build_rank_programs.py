@@ -1,9 +1,8 @@
 """Pass: lower the schedule and the stage tasks to each rank's program.
 
-Requires: `dag.tasks` (F<s>, B<s>, and P<s>/E<s> where a stage has once-per-step
-ops); the strategy's schedule, microbatches and mesh.
-Guarantees: `dag.schedule` is the validated schedule (coverage, dependencies,
-no deadlock) and `dag.programs[r]` is the program of every rank r sharing this
+Requires: `dag.schedule` (validated) and `dag.tasks` (F<s>, B<s> or I<s>/W<s>,
+and P<s>/E<s> where a stage has once-per-step ops); the strategy's mesh.
+Guarantees: `dag.programs[r]` is the program of every rank r sharing this
 rank's data-parallel index (the whole pipeline of its replica): for each action
 of the rank's schedule row, a `Recv` of every input produced on another
 pipeline rank (just before its first reader), `Run(task, microbatch)`, and a
@@ -20,20 +19,10 @@ from __future__ import annotations
 
 from ..ir import InputRole, OutputRole, RankProgram, Recv, Run, Send, Task, TaskKind, TrainingDAG
 from ..options import Strategy
-from ..schedules import Schedule, build
-
-
-def _forward_only(schedule: Schedule) -> Schedule:
-    actions = [[a for a in row if a.kind == "F"] for row in schedule.actions]
-    return Schedule(schedule.name + " (forward only)", schedule.num_ranks, schedule.num_microbatches,
-                    schedule.stage_to_rank, actions)
 
 
 def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
-    schedule = build(strategy.schedule, strategy.pp, strategy.microbatches, strategy.stages_per_rank)
-    if not dag.training:
-        schedule = _forward_only(schedule)
-    dag.schedule = schedule
+    schedule = dag.schedule
     tasks = {(t.stage, t.kind): t for t in dag.tasks}
     joint_nodes = {n.name: n for n in dag.joint.graph.nodes}
     producer: dict[str, Task] = {out: t for t in dag.tasks for out in t.outputs}

@@ -1,7 +1,7 @@
 """Pass: cut the joint graph into pipeline stages, each with a forward and a backward task.
 
-Requires: the joint graph after the collective passes; `strategy.num_stages`
-stages (pp * stages_per_rank).
+Requires: the joint graph after the collective passes; `dag.schedule`, whose
+stages (pp * stages_per_rank) and placement this pass follows.
 Guarantees: `dag.tasks` holds F<s> for every stage s (and B<s> when training),
 plus P<s> / E<s> for the stage's once-per-step ops (marked by the collective
 passes: ZeRO-1/2 gathers before the first microbatch, DDP / ZeRO-1 gradient
@@ -124,14 +124,14 @@ def _backward_stages(compute: list[fx.Node], forward_stage: dict[fx.Node, int],
     return stage
 
 
-def _parameter_owners(dag: TrainingDAG, stage: dict[fx.Node, int], strategy: Strategy) -> dict[str, int]:
-    """The pipeline rank (stage s lives on rank s % pp) of every parameter's readers."""
+def _parameter_owners(dag: TrainingDAG, stage: dict[fx.Node, int]) -> dict[str, int]:
+    """The pipeline rank of every parameter's readers (the schedule places stages)."""
     roles = dag.input_by_name()
     owners = {}
     for node in dag.joint.graph.nodes:
         if node.op != "placeholder" or roles[node.name].role not in (InputRole.PARAM, InputRole.PARAM_SHARD):
             continue
-        ranks = {stage[u] % strategy.pp for u in node.users if u in stage}
+        ranks = {dag.schedule.stage_to_rank[stage[u]] for u in node.users if u in stage}
         if len(ranks) == 1:
             owners[node.name] = ranks.pop()
         elif len(ranks) > 1:
@@ -159,7 +159,7 @@ def extract_graph(root: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.No
 
 def split_stages(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     graph = dag.joint.graph
-    num_stages = strategy.num_stages
+    num_stages = dag.schedule.num_stages
     forward = forward_nodes(dag)
     compute = [n for n in graph.nodes if n.op in ("call_function", "get_attr")]
     fwd_compute = [n for n in compute if n in forward]
@@ -171,7 +171,7 @@ def split_stages(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     for node in compute:
         if node.target is operator.getitem:
             stage[node] = stage[node.args[0]]
-    dag.parameter_owner = _parameter_owners(dag, stage, strategy)
+    dag.parameter_owner = _parameter_owners(dag, stage)
 
     kind = _task_kinds(compute, forward)
     final_outputs = set(dag.output_node().args[0])
