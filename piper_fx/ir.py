@@ -65,6 +65,8 @@ class TaskKind(enum.Enum):
 # `node.meta[PHASE]` marks ops that run once per step rather than per microbatch.
 PHASE = "piper_phase"
 STEP_START, STEP_END = "step_start", "step_end"
+# `node.meta[UNIT]` names the layer a ZeRO-3 all-gather serves; buckets never span two.
+UNIT = "piper_unit"
 
 
 @dataclass

@@ -31,7 +31,7 @@ from .errors import PiperConfigError
 ZERO_LEVELS = (0, 1, 2, 3)
 CODEGENS = ("inductor", "eager")
 MESH_DIMS = ("pp", "dp")
-TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "codegen", "debug_dir", "pipeline")
+TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "codegen", "debug_dir", "pipeline", "directives")
 PIPELINE_KEYS = ("schedule", "microbatches", "stages_per_rank")
 
 
@@ -47,7 +47,7 @@ class Strategy:
     debug_dir: str | None = None
     world_size: int = 1
     rank: int = 0
-    schedule: str = "1f1b"
+    schedule: Any = "1f1b"  # a preset's name, or a validated `schedules.Schedule`
     microbatches: int = 1
     stages_per_rank: int = 1
 
@@ -77,7 +77,9 @@ class Strategy:
 
     def agreement_key(self) -> tuple:
         """What every rank must agree on (the debug directory may differ per rank)."""
-        return (self.dp, self.pp, self.zero, self.bucket_mb, self.codegen, self.schedule, self.microbatches,
+        schedule = self.schedule if isinstance(self.schedule, str) else (
+            self.schedule.name, self.schedule.stage_to_rank, tuple(tuple(map(str, row)) for row in self.schedule.actions))
+        return (self.dp, self.pp, self.zero, self.bucket_mb, self.codegen, schedule, self.microbatches,
                 self.stages_per_rank)
 
 
@@ -141,7 +143,15 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
     if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
         raise PiperConfigError("debug_dir", debug_dir, "a directory path (str or os.PathLike) or None")
 
-    schedule, microbatches, stages_per_rank = _parse_pipeline(options.get("pipeline"), pp)
+    if "directives" in options:
+        if "pipeline" in options:
+            raise PiperConfigError("directives", options["directives"],
+                                   "either directives or options['pipeline'], not both")
+        from .directives import schedule_from_directives
+        schedule, microbatches, stages_per_rank = _custom_schedule(
+            "directives", lambda: schedule_from_directives(options["directives"], pp), pp)
+    else:
+        schedule, microbatches, stages_per_rank = _parse_pipeline(options.get("pipeline"), pp)
     return Strategy(
         dp=dp, pp=pp, zero=zero, bucket_mb=float(bucket_mb), codegen=codegen,
         debug_dir=os.fspath(debug_dir) if debug_dir is not None else None,
@@ -164,8 +174,15 @@ def _parse_pipeline(pipeline: Any, pp: int) -> tuple[str, int, int]:
             raise PiperConfigError(f"pipeline.{key}", pipeline[key],
                                    f"unknown pipeline option; valid are {list(PIPELINE_KEYS)}")
     schedule = pipeline.get("schedule", "1f1b")
+    if not isinstance(schedule, str):
+        for key in ("microbatches", "stages_per_rank"):
+            if key in pipeline:
+                raise PiperConfigError(f"pipeline.{key}", pipeline[key],
+                                       "absent: a custom schedule brings its own microbatches and stages")
+        return _custom_schedule("pipeline.schedule", lambda: _build_custom(schedule, pp), pp)
     if schedule not in PRESETS:
-        raise PiperConfigError("pipeline.schedule", schedule, f"one of {sorted(PRESETS)}")
+        raise PiperConfigError("pipeline.schedule", schedule,
+                               f"one of {sorted(PRESETS)}, a schedules.Schedule, or a builder returning one")
     interleaved = schedule == "interleaved_1f1b"
     stages_per_rank = pipeline.get("stages_per_rank", 2 if interleaved or schedule in V_SHAPED else 1)
     if not _is_int(stages_per_rank) or stages_per_rank < 1:
@@ -188,6 +205,38 @@ def _parse_pipeline(pipeline: Any, pp: int) -> tuple[str, int, int]:
         raise PiperConfigError("pipeline.microbatches", microbatches,
                                f"a multiple of pp={pp} for interleaved_1f1b")
     return schedule, microbatches, stages_per_rank
+
+
+def _build_custom(schedule: Any, pp: int):
+    from .schedules import Schedule
+
+    if isinstance(schedule, Schedule):
+        return schedule
+    if callable(schedule):
+        built = schedule(pp)
+        if not isinstance(built, Schedule):
+            raise TypeError(f"the schedule builder returned {type(built).__name__}, not a schedules.Schedule")
+        return built
+    raise TypeError(f"{type(schedule).__name__} is not a schedule")
+
+
+def _custom_schedule(key: str, make, pp: int):
+    """A user's schedule (object, builder or directives), validated like a preset."""
+    from .schedules import ScheduleError, validate
+
+    try:
+        schedule = validate(make())
+    except (ScheduleError, TypeError, ValueError) as e:
+        raise PiperConfigError(key, "<custom schedule>", str(e)) from None
+    if schedule.num_ranks != pp:
+        raise PiperConfigError(key, schedule.name, f"a schedule for pp={pp} ranks, not {schedule.num_ranks}")
+    if schedule.num_stages % pp:
+        raise PiperConfigError(key, schedule.name, f"the same number of stages on every rank "
+                                                   f"({schedule.num_stages} stages on {pp} ranks)")
+    per_rank = [schedule.stages_of(r) for r in range(pp)]
+    if len({len(stages) for stages in per_rank}) != 1:
+        raise PiperConfigError(key, schedule.name, f"the same number of stages on every rank, got {per_rank}")
+    return schedule, schedule.num_microbatches, schedule.num_stages // pp
 
 
 def parse_options_on_all_ranks(options: Mapping[str, Any] | None) -> Strategy:

@@ -51,3 +51,21 @@ MODELS = {"skip": SkipAcrossStages, "two_streams": TwoStreams}
 def batch(step: int, rows: int):
     g = torch.Generator().manual_seed(500 + step)
     return torch.randn(rows, WIDTH, generator=g), torch.randn(rows, 1, generator=g)
+
+
+def reversed_gpipe(ranks: int):
+    """A custom schedule builder: all forwards, then the backwards in reverse microbatch order."""
+    from piper_fx.schedules import Action, Schedule
+    microbatches = 4
+    actions = [[Action(r, "F", m) for m in range(microbatches)]
+               + [Action(r, "B", m) for m in reversed(range(microbatches))] for r in range(ranks)]
+    return Schedule("reversed_gpipe", ranks, microbatches, tuple(range(ranks)), actions)
+
+
+ONE_F_ONE_B_DIRECTIVES = [
+    {"split": {"microbatches": 2}},
+    {"place": {"stage": 0, "rank": 0}},
+    {"place": {"stage": 1, "rank": 1}},
+    {"order": {"rank": 0, "actions": ["F0.0", "F0.1", "I0.0", "W0.0", "I0.1", "W0.1"]}},
+    {"order": {"rank": 1, "actions": ["F1.0", "I1.0", "F1.1", "I1.1", "W1.0", "W1.1"]}},
+]

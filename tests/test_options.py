@@ -145,3 +145,30 @@ def test_a_failing_rank_does_not_leave_its_peer_hanging():
     survivor = outcomes[0]["value"]
     assert survivor["error"] is not None and "piper_fx rank 0" in survivor["error"], survivor
     assert survivor["waited"] < 30, survivor
+
+
+ONE_RANK = [{"split": {"microbatches": 2}}, {"place": {"stage": 0, "rank": 0}}]
+
+
+@pytest.mark.parametrize("directives, message", [
+    (ONE_RANK + [{"order": {"rank": 0, "actions": ["F0.0", "W0.0", "I0.0", "F0.1", "B0.1"]}}],
+     "deadlocks: rank 0 action 1 W0.0 waits for I0.0"),
+    (ONE_RANK + [{"order": {"rank": 0, "actions": ["F0.0", "B0.0"]}}], r"F0\.1 \(stage 0, microbatch 1\) is missing"),
+    (ONE_RANK + [{"order": {"rank": 0, "actions": ["X0.0"]}}], "is not <kind><stage>.<microbatch>"),
+    (ONE_RANK + [{"replicate": {"zero": 1}}], "use options\\['zero'\\]"),
+    ([{"place": {"stage": 0, "rank": 0}}], "'split' directive"),
+])
+def test_bad_directives_name_the_problem(directives, message):
+    with pytest.raises(PiperConfigError, match=message) as info:
+        parse_options({"directives": directives})
+    assert info.value.key == "directives"
+
+
+def test_directives_and_pipeline_together_are_refused():
+    with pytest.raises(PiperConfigError, match="not both"):
+        parse_options({"directives": ONE_RANK, "pipeline": {"schedule": "gpipe"}})
+
+
+def test_directives_build_a_validated_schedule():
+    s = parse_options({"directives": ONE_RANK + [{"order": {"rank": 0, "actions": ["F0.0", "F0.1", "B0.1", "B0.0"]}}]})
+    assert (s.microbatches, s.stages_per_rank, s.schedule.name) == (2, 1, "directives")

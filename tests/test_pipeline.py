@@ -2,6 +2,7 @@
 import pytest
 
 from ranks import run_ranks
+from models import ONE_F_ONE_B_DIRECTIVES, reversed_gpipe
 from training import activation_memory_worker, pipeline_worker
 
 RTOL = 1e-5
@@ -38,6 +39,10 @@ def test_two_stage_schedules_and_model_shapes():
         {"options": _pp(2, "zb1p", 4), "pp_regions": True, "per_rank_batch": 4},
         {"options": _pp(2, "zb1p", 2), "model": "skip", "per_rank_batch": 4},
         {"options": _pp(2, "zbv", 4), "pp_regions": True, "n_layer": 4, "per_rank_batch": 4},
+        {"options": {"mesh": {"pp": 2}, "pipeline": {"schedule": reversed_gpipe}}, "pp_regions": True,
+         "per_rank_batch": 4},
+        {"options": {"mesh": {"pp": 2}, "directives": ONE_F_ONE_B_DIRECTIVES}, "pp_regions": True,
+         "per_rank_batch": 4},
     ]
     results = run_ranks(pipeline_worker, 2, configs, deadline_s=400)
     _check(results, configs)

@@ -11,7 +11,8 @@ import torch
 from training import SMALL, global_batch
 
 
-def _plan_one_step(zero: int, world: int, debug_dir: str) -> str:
+def _plan_one_step(zero: int, world: int, debug_dir: str, bucket_mb: float = 1e-9) -> str:
+    """This rank's dumped program after one step (by default with buckets too small to merge anything)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -21,7 +22,7 @@ def _plan_one_step(zero: int, world: int, debug_dir: str) -> str:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SMALL))
-    options = {"zero": zero, "codegen": "eager", "debug_dir": debug_dir}
+    options = {"zero": zero, "codegen": "eager", "debug_dir": debug_dir, "bucket_mb": bucket_mb}
     piper_fx.prepare(model, options)
     x, y = global_batch(0, 2, model.cfg)
     torch.compile(model, backend="piper", options=options)(x, y).backward()
@@ -37,13 +38,14 @@ def _collectives_by_task(program: str) -> dict[str, list[str]]:
         if task:
             current = tasks.setdefault(task.group(1), [])
         found = re.search(r"collective \w+: _c10d_functional\.(\w+)\.default", line)
-        if found:
-            current.append(found.group(1))
+        if found:  # a bucket's all-gather writes into its flat buffer: the `_out` variant
+            current.append(found.group(1).removesuffix("_out"))
     return tasks
 
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
+    """Per ZeRO level: collectives of each task, one per parameter (no bucketing)."""
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:  # a fresh process: the fake process group must not leak into other tests
         return {zero: _collectives_by_task(pool.apply(_plan_one_step, (zero, 4, str(tmp_path_factory.mktemp(f"z{zero}")))))
@@ -85,6 +87,22 @@ def test_zero3_gathers_per_use_in_forward_and_again_in_backward(plans):
     # layer-norm/bias parameters feed their backward without needing the full value).
     assert 0 < backward["all_gather_into_tensor"] < USES
     assert backward["reduce_scatter_tensor"] == USES and backward["all_reduce"] == 0
+
+
+def test_bucket_size_sets_the_number_of_collectives(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    counts = {}
+    with ctx.Pool(1) as pool:
+        for bucket_mb in (1e-9, 0.002, 25):
+            program = pool.apply(_plan_one_step, (3, 4, str(tmp_path / str(bucket_mb)), bucket_mb))
+            counts[bucket_mb] = {task: _counts(ops) for task, ops in _collectives_by_task(program).items()}
+    gathers = {mb: c["F0"]["all_gather_into_tensor"] + c["B0"]["all_gather_into_tensor"] for mb, c in counts.items()}
+    scatters = {mb: c["B0"]["reduce_scatter_tensor"] for mb, c in counts.items()}
+    assert gathers[1e-9] > gathers[0.002] > gathers[25], gathers
+    assert scatters[1e-9] > scatters[0.002] > scatters[25] == 1, scatters
+    # ZeRO-3 buckets never span two layers: at 25 MB, one forward gather per layer
+    # (wte, wpe, two blocks, ln_f, and lm_head reading the tied wte again).
+    assert counts[25]["F0"]["all_gather_into_tensor"] == 6
 
 
 def _plan_world_64() -> dict:

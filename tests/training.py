@@ -120,12 +120,14 @@ def zero3_memory_worker(rank: int, world: int, zero: int) -> dict:
     largest_layer = max(sum(padded(p) for p in layer.parameters()) for layer in layers)
     all_params = sum(padded(p) for p in model.parameters())
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    options = {"zero": zero, "codegen": "eager"}
+    options = {"zero": zero, "codegen": "eager"}  # default 25 MB buckets: ZeRO-3 buckets are layers
     piper_fx.prepare(model, options)
     step = torch.compile(model, backend="piper", options=options)
     x, y = global_batch(0, 2 * world, cfg)
     step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()  # compile outside the measurement
-    gathers = LiveStorageBytes(lambda op: op is torch.ops._c10d_functional.all_gather_into_tensor.default)
+    all_gathers = (torch.ops._c10d_functional.all_gather_into_tensor.default,
+                   torch.ops._c10d_functional.all_gather_into_tensor_out.default)  # the latter for buckets
+    gathers = LiveStorageBytes(lambda op: op in all_gathers)
     with around_tasks(gathers):
         step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
     return {"peak_gathered": gathers.peak, "largest_layer": largest_layer, "all_params_padded": all_params,

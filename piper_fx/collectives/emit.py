@@ -47,6 +47,16 @@ def _trace(fn: Callable[..., torch.Tensor], fake_inputs: list, decompositions: d
     return traced
 
 
+def _fresh(val):
+    """A new fake tensor like `val`: splices of one cached trace must not share
+    values, or passes that trace them again (Inductor's bucketing) would see
+    one tensor where there are two."""
+    if not hasattr(val, "fake_mode"):
+        return val
+    with val.fake_mode:
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+
+
 def insert_traced(
     graph: fx.Graph,
     fn: Callable[..., torch.Tensor],
@@ -75,6 +85,7 @@ def insert_traced(
                 result = env[node.args[0]]
             else:
                 new = graph.node_copy(node, lambda n: env[n])
+                new.meta["val"] = _fresh(node.meta.get("val"))
                 if like is not None:
                     for key in INHERITED_META:
                         if key in like.meta:

@@ -10,6 +10,7 @@ from typing import Callable
 
 from ..ir import TrainingDAG
 from ..options import Strategy
+from .bucket_collectives import bucket_collectives
 from .build_rank_programs import build_rank_programs
 from .choose_schedule import choose_schedule
 from .propagate_placements import propagate_placements
@@ -27,6 +28,7 @@ PIPELINE: tuple[Pass, ...] = (
     choose_schedule,         # the validated pipeline schedule: stage placement and action order
     split_stages,            # joint graph -> per stage: F and B tasks, P/E for once-per-step ops
     split_backward,          # zero-bubble schedules: B -> I (input grads) and W (weight grads)
+    bucket_collectives,      # per task: adjacent collectives -> buckets of at most bucket_mb
     build_rank_programs,     # schedule + tasks -> each rank's program (with send/recv)
 )
 

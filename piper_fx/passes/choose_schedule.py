@@ -21,6 +21,9 @@ def _forward_only(schedule: Schedule) -> Schedule:
 
 
 def choose_schedule(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
-    schedule = build(strategy.schedule, strategy.pp, strategy.microbatches, strategy.stages_per_rank)
+    if isinstance(strategy.schedule, Schedule):  # the user's own, validated with the options
+        schedule = strategy.schedule
+    else:
+        schedule = build(strategy.schedule, strategy.pp, strategy.microbatches, strategy.stages_per_rank)
     dag.schedule = schedule if dag.training else _forward_only(schedule)
     return dag

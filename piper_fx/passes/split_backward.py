@@ -1,7 +1,7 @@
 """Pass: split each stage's backward into input-gradient (I) and weight-gradient (W) tasks.
 
-Requires: `dag.tasks` from `split_stages`; a schedule whose actions are I and W
-(zero-bubble schedules; for others this pass changes nothing).
+Requires: `dag.tasks` from `split_stages`; `dag.schedule`. Only a schedule with
+I and W actions (zero-bubble ones) has its backwards split; others pass through.
 Guarantees: every B<s> is replaced by I<s> (the ops the gradients sent to
 earlier stages need) and W<s> (the rest: parameter gradients and what reduces
 them), which together compute exactly B<s>. I<s> also outputs the values W<s>
@@ -15,7 +15,6 @@ import torch.fx as fx
 
 from ..ir import OutputRole, Task, TaskKind, TrainingDAG
 from ..options import Strategy
-from ..schedules import SPLIT_BACKWARD
 from .split_stages import extract_graph
 
 
@@ -51,7 +50,7 @@ def _split(task: Task, weight_outputs: set[str]) -> list[Task]:
 
 
 def split_backward(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
-    if strategy.schedule not in SPLIT_BACKWARD or not dag.training:
+    if not dag.training or not any(a.kind in ("I", "W") for row in dag.schedule.actions for a in row):
         return dag
     read_by = {}
     for task in dag.tasks:

@@ -23,7 +23,7 @@ import torch.fx as fx
 from ..capture import decompositions_for
 from ..collectives.emit import insert_traced
 from ..collectives.lowering import gather_rows
-from ..ir import PHASE, STEP_START, TrainingDAG, forward_nodes
+from ..ir import PHASE, STEP_START, UNIT, TrainingDAG, forward_nodes
 from ..options import Strategy
 
 UNSHARD = torch.ops.piper.unshard.default
@@ -39,6 +39,16 @@ def _splice_gather(dag: TrainingDAG, strategy: Strategy, marker: fx.Node, *, bef
     return insert_traced(dag.joint.graph, gather, [shard], before=before, like=like,
                          decompositions=decompositions_for(strategy),
                          meta={"piper_comm": f"all_gather {fqn} ({phase})", **(meta or {})})
+
+
+def _unit(marker: fx.Node) -> str:
+    """The layer a parameter read belongs to: `blocks.3` for a block in a list, else the top module."""
+    stack = list((marker.meta.get("nn_module_stack") or {}).values())
+    if not stack:
+        return ""
+    path = stack[-1][0] if isinstance(stack[-1], tuple) else str(stack[-1])
+    parts = path.replace("L['self'].", "").split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 and parts[1].isdigit() else parts[0]
 
 
 def _gather_once_per_step(dag: TrainingDAG, strategy: Strategy, markers: list[fx.Node]) -> None:
@@ -79,13 +89,14 @@ def _gather_per_use(dag: TrainingDAG, strategy: Strategy, markers: list[fx.Node]
         if backward_uses:
             first_use = min((user for user, _ in backward_uses), key=order.__getitem__)
             clones = {marker: _splice_gather(dag, strategy, marker, before=first_use, like=first_use,
-                                             phase="backward")}
+                                             phase="backward", meta={UNIT: _unit(marker)})}
             with graph.inserting_before(first_use):
                 for node in chain[1:]:
                     clones[node] = graph.node_copy(node, lambda n: clones.get(n, n))
             for user, node in backward_uses:
                 user.replace_input_with(node, clones[node])
-        full = _splice_gather(dag, strategy, marker, before=marker, like=marker, phase="forward")
+        full = _splice_gather(dag, strategy, marker, before=marker, like=marker, phase="forward",
+                              meta={UNIT: _unit(marker)})
         marker.replace_all_uses_with(full)
         graph.erase_node(marker)
 

@@ -1,0 +1,62 @@
+"""Piper-style directives: a pipeline schedule written as data in the options.
+
+    options["directives"] = [
+        {"split": {"microbatches": 4}},
+        {"place": {"stage": 0, "rank": 0}},
+        {"place": {"stage": 1, "rank": 1}},
+        {"order": {"rank": 0, "actions": ["F0.0", "F0.1", "F0.2", "F0.3", "B0.0", "B0.1", "B0.2", "B0.3"]}},
+        {"order": {"rank": 1, "actions": ["F1.0", "B1.0", "F1.1", "B1.1", "F1.2", "B1.2", "F1.3", "B1.3"]}},
+    ]
+
+`split` sets the microbatches, `place` puts a stage on a pipeline rank, `order`
+lists a rank's actions (`<kind><stage>.<microbatch>`, kinds F, B, I, W). The
+result is a `schedules.Schedule`, validated like every preset. Piper's
+`replicate` and `shard` directives map to `options["zero"]` and mesh
+dimensions here and are refused in this list with a message saying so.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+from .schedules import Action, Schedule
+
+_ACTION = re.compile(r"^([FBIW])(\d+)\.(\d+)$")
+
+
+def _action(text: str) -> Action:
+    match = _ACTION.match(text) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"action {text!r} is not <kind><stage>.<microbatch> with kind F, B, I or W")
+    return Action(int(match[2]), match[1], int(match[3]))
+
+
+def schedule_from_directives(directives: Sequence[Any], pp: int) -> Schedule:
+    if not isinstance(directives, (list, tuple)):
+        raise ValueError("directives must be a list of {'split'|'place'|'order': {...}} dicts")
+    microbatches = None
+    placement: dict[int, int] = {}
+    orders: dict[int, list[Action]] = {}
+    for index, directive in enumerate(directives):
+        if not isinstance(directive, dict) or len(directive) != 1:
+            raise ValueError(f"directive {index} ({directive!r}) must be a dict with exactly one key")
+        (verb, body), = directive.items()
+        where = f"directive {index} ({verb})"
+        if verb == "split":
+            microbatches = body["microbatches"]
+        elif verb == "place":
+            placement[body["stage"]] = body["rank"]
+        elif verb == "order":
+            orders[body["rank"]] = [_action(a) for a in body["actions"]]
+        elif verb in ("replicate", "shard"):
+            raise ValueError(f"{where}: use options['zero'] and options['mesh'] for data-parallel "
+                             "replication and sharding; directives here describe the pipeline")
+        else:
+            raise ValueError(f"{where}: unknown directive; valid are split, place, order")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"a 'split' directive with a positive number of microbatches is required, got {microbatches!r}")
+    stages = sorted(placement)
+    if stages != list(range(len(stages))) or not stages:
+        raise ValueError(f"'place' directives must place stages 0..S-1, got stages {stages}")
+    return Schedule("directives", pp, microbatches, tuple(placement[s] for s in stages),
+                    [orders.get(rank, []) for rank in range(pp)])

@@ -1,0 +1,61 @@
+"""Pass: merge collectives into buckets of at most `bucket_mb`, one flat buffer each.
+
+Requires: `dag.tasks` (each task's graph holds its collectives as functional
+collectives with `val` metadata).
+Guarantees: in every task graph, runs of collectives of the same kind, process
+group and dtype are merged greedily, in issue order, into buckets of at most
+`bucket_mb` megabytes (Inductor's `fx_passes/bucketing` does the merge: one
+flat buffer, one collective, then views per tensor). Only collectives adjacent
+in issue order merge, and every rank of a group runs the same task graph, so
+every rank issues the same buckets in the same order. Our policy on top: a
+ZeRO-3 parameter all-gather bucket never spans two layers (`piper_unit`), so a
+layer's parameters are gathered together and no more than a layer is held for
+a bucket; the other collectives (once-per-step gathers, gradient reductions)
+bucket by size alone.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._inductor.fx_passes import bucketing
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from ..ir import UNIT, TrainingDAG
+from ..options import Strategy
+
+
+def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float) -> None:
+    def key(node: fx.Node):
+        return (bucketing._ag_group_key(node), node.meta.get(UNIT))
+
+    buckets = bucketing.greedy_bucket_collective_by_mb(
+        gm, lambda _: cap_mb, bucketing.is_all_gather_into_tensor, key)
+    if buckets:
+        bucketing.merge_all_gather(gm, buckets, "default")
+
+
+def _wait_with_functional_collectives(gm: fx.GraphModule) -> None:
+    """Inductor's reduce-scatter merge waits with the legacy `c10d_functional.wait_tensor`,
+    which does not wait for work issued by `_c10d_functional` ops on gloo: the bucket
+    would be read before it is reduced. Use the op that matches the collective."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.c10d_functional.wait_tensor.default:
+            node.target = torch.ops._c10d_functional.wait_tensor.default
+
+
+def bucket_collectives(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
+    if strategy.dp == 1:
+        return dag
+    # Outside Dynamo's tracing context: the merge traces in the fake mode of the
+    # graph's own values (our capture's), which it finds only when no context names another.
+    with torch._guards.tracing(None):
+        for task in dag.tasks:
+            gm = task.graph
+            _bucket_all_gathers(gm, strategy.bucket_mb)
+            bucketing.bucket_reduce_scatter(gm, lambda _: strategy.bucket_mb, "default")
+            bucketing.bucket_all_reduce(gm, lambda _: strategy.bucket_mb, "default")
+            _wait_with_functional_collectives(gm)
+            stable_topological_sort(gm.graph)  # keeps each collective where it was, where valid
+            gm.graph.lint()
+            gm.recompile()
+    return dag
