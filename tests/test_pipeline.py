@@ -77,3 +77,9 @@ def test_bad_pipeline_setups_are_precise_errors():
         assert "multiple of the number of stages" in errors["regions"]
         assert "PiperError" in errors["batch"] and "split into 2 microbatches" in errors["batch"]
         assert "PiperError" in errors["tied"] and "wte.weight" in errors["tied"] and "tied" in errors["tied"]
+
+
+def test_another_batch_size_than_compiled_is_a_clear_error():
+    from training import batch_shape_change_worker
+    for message in run_ranks(batch_shape_change_worker, 2, deadline_s=120):
+        assert "has shape (6, 9), but this step was compiled for (4, 9)" in message

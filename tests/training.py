@@ -222,3 +222,18 @@ def pipeline_errors_worker(rank: int, world: int) -> dict:
         "batch": error_of(lambda: train_once(batch=3)),
         "tied": error_of(lambda: train_once(tied=True, regions=False)),
     }
+
+
+def batch_shape_change_worker(rank: int, world: int) -> str:
+    """A pipelined step called with another batch size than it was compiled for."""
+    cfg = GPTConfig(**SMALL, tied_embeddings=False)
+    model = GPT(cfg)
+    options = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"microbatches": 2}}
+    piper_fx.prepare(model, options)
+    step = torch.compile(model, backend="piper", options=options)
+    step(*global_batch(0, 4, cfg)).backward()
+    try:
+        step(*global_batch(1, 6, cfg))
+    except piper_fx.PiperError as e:
+        return str(e)
+    return "no error"

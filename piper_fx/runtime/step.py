@@ -23,8 +23,12 @@ from .executor import ProgramExecutor
 
 class CompiledStep:
     def __init__(self, executor: ProgramExecutor, inputs: Sequence[GraphInput], outputs: Sequence[GraphOutput],
-                 seed_shape: torch.Size | None, seed_dtype: torch.dtype | None, num_user_outputs: int):
+                 seed_shape: torch.Size | None, seed_dtype: torch.dtype | None, num_user_outputs: int,
+                 batch_shapes: dict[int, tuple[int, ...]]):
         self.executor = executor
+        # The program is compiled for these argument shapes; with a pipeline
+        # Dynamo sees the batch size as symbolic and would not recompile for another.
+        self.batch_shapes = batch_shapes
         self.inputs = list(inputs)
         self.outputs = list(outputs)
         self.seed_shape, self.seed_dtype = seed_shape, seed_dtype
@@ -43,6 +47,11 @@ class CompiledStep:
 
     def run_program(self, args: Sequence[torch.Tensor]):
         """Run the program on the call's arguments: (user outputs, {arg index: grad})."""
+        for index, shape in self.batch_shapes.items():
+            if tuple(args[index].shape) != shape:
+                raise PiperError(f"compiled argument {index} has shape {tuple(args[index].shape)}, but this step "
+                                 f"was compiled for {shape}: piper_fx compiles fixed batch shapes (compile "
+                                 "again, e.g. a new torch.compile, for another shape)")
         values: dict = {}
         for graph_input in self.inputs:
             if graph_input.role is InputRole.TANGENT:
