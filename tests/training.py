@@ -237,3 +237,15 @@ def batch_shape_change_worker(rank: int, world: int) -> str:
     except piper_fx.PiperError as e:
         return str(e)
     return "no error"
+
+
+def one_step_with_dumps_worker(rank: int, world: int, options: dict) -> None:
+    cfg = GPTConfig(**SMALL, tied_embeddings=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.block_context = lambda: piper_fx.annotate("PP")
+    piper_fx.prepare(model, options)
+    mesh = options.get("mesh", {})
+    dp = mesh.get("dp", world // mesh.get("pp", 1))
+    x, y = global_batch(0, 4 * dp, cfg)
+    torch.compile(model, backend="piper", options=options)(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]).backward()
