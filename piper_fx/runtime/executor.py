@@ -88,7 +88,11 @@ class ProgramExecutor:
                 pending_sends.append(dist.isend(tensor.contiguous(), dst=instruction.peer, tag=instruction.tag))
             elif isinstance(instruction, Recv):
                 buffer = torch.empty(instruction.shape, dtype=instruction.dtype)
-                dist.irecv(buffer, src=instruction.peer, tag=instruction.tag).wait()
+                try:
+                    dist.irecv(buffer, src=instruction.peer, tag=instruction.tag).wait()
+                except Exception as e:
+                    raise RuntimeError(f"piper_fx rank {program.rank}: receiving {instruction.value} from rank "
+                                       f"{instruction.peer} failed: {e}") from e
                 values[program.key(instruction.value, instruction.microbatch)] = buffer
             peak = max(peak, _activation_bytes(values, input_storages))
             pending_sends = [work for work in pending_sends if not work.is_completed()]
