@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import torch
 import torch.fx as fx
 from torch import nn
 

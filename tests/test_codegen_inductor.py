@@ -1,5 +1,4 @@
 """Inductor code generation: C++ kernels per task, same numerics as eager."""
-from pathlib import Path
 
 from ranks import run_ranks
 from training import inductor_worker

@@ -4,7 +4,6 @@ Read from each rank's dumped program: the instructions in order, and for each
 task run, the collectives its graph issues in graph order.
 """
 import re
-from pathlib import Path
 
 import pytest
 

@@ -6,7 +6,6 @@ The FX graph cache (TORCHINDUCTOR_CACHE_DIR) is shared across ranks and runs.
 """
 from __future__ import annotations
 
-import torch
 from torch._guards import TracingContext, tracing
 from torch._inductor.compile_fx import compile_fx_inner
 

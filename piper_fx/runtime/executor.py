@@ -94,7 +94,8 @@ class ProgramExecutor:
                     raise RuntimeError(f"piper_fx rank {program.rank}: receiving {instruction.value} from rank "
                                        f"{instruction.peer} failed: {e}") from e
                 values[program.key(instruction.value, instruction.microbatch)] = buffer
-            peak = max(peak, _activation_bytes(values, input_storages))
+            if not isinstance(instruction, Send):  # only runs and receives add values
+                peak = max(peak, _activation_bytes(values, input_storages))
             pending_sends = [work for work in pending_sends if not work.is_completed()]
             for key in self.drop_after[index]:
                 values.pop(key, None)
