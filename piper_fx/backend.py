@@ -66,9 +66,9 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     broadcast_from_first_replica([example_inputs[i] for i in replicated], dag.dp_group)
     if strategy.pp > 1:
         for graph_input in dag.inputs:
-            if graph_input.name in dag.parameter_owner:
-                mark_pipeline_owner(example_inputs[graph_input.arg_index], dag.parameter_owner[graph_input.name],
-                                    pp_group_name(strategy))
+            holders = dag.parameter_holders.get(graph_input.name)
+            if holders:  # they all end the step with the same value; report the first's
+                mark_pipeline_owner(example_inputs[graph_input.arg_index], holders[0], pp_group_name(strategy))
     program = dag.programs[strategy.rank]
     dump.write("program.txt", program.render())
     dump.write("schedule.txt", text_grid(dag.schedule))

@@ -110,7 +110,10 @@ class Send:
 
 @dataclass(frozen=True)
 class Recv:
-    """Receive a value from another rank into a new buffer (blocking, just before its first reader)."""
+    """Receive a value from another rank into a new buffer: posted here, waited
+    for by its first reader, so the transfer overlaps what runs in between.
+    With `accumulate`, the received tensor is added to the value already held
+    (a partial sum from another rank, e.g. a gradient of a shared parameter)."""
 
     value: str
     microbatch: int | None
@@ -118,9 +121,11 @@ class Recv:
     tag: int
     shape: tuple[int, ...]
     dtype: torch.dtype
+    accumulate: bool = False
 
     def __str__(self) -> str:
-        return f"recv  {self.value}{_mb(self.microbatch)} <- rank {self.peer} (tag {self.tag})"
+        verb = "recv+" if self.accumulate else "recv "
+        return f"{verb} {self.value}{_mb(self.microbatch)} <- rank {self.peer} (tag {self.tag})"
 
 
 Instruction = Union[Run, Send, Recv]
@@ -183,9 +188,9 @@ class TrainingDAG:
     tasks: list[Task] = field(default_factory=list)
     programs: dict[int, RankProgram] = field(default_factory=dict)
     schedule: Any = None  # the validated `schedules.Schedule` the programs follow
-    # Pipeline rank that computes each parameter's gradient (by placeholder name):
-    # its copy is the one the optimizer updates.
-    parameter_owner: dict[str, int] = field(default_factory=dict)
+    # Pipeline ranks running a stage that reads each parameter (by placeholder
+    # name); they end the step with the same summed gradient.
+    parameter_holders: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def copy(self) -> "TrainingDAG":
         """A DAG with its own copy of the joint graph, before any tasks: passes

@@ -183,6 +183,9 @@ def _parse_pipeline(pipeline: Any, pp: int) -> tuple[str, int, int]:
     if schedule not in PRESETS:
         raise PiperConfigError("pipeline.schedule", schedule,
                                f"one of {sorted(PRESETS)}, a schedules.Schedule, or a builder returning one")
+    if schedule == "dualpipe" and pp % 2:
+        raise PiperConfigError("mesh.pp", pp, "an even number of pipeline ranks for dualpipe (two copies of the "
+                                              "stages meet in the middle); dualpipev runs on any number")
     interleaved = schedule == "interleaved_1f1b"
     stages_per_rank = pipeline.get("stages_per_rank", 2 if interleaved or schedule in V_SHAPED else 1)
     if not _is_int(stages_per_rank) or stages_per_rank < 1:
@@ -201,6 +204,9 @@ def _parse_pipeline(pipeline: Any, pp: int) -> tuple[str, int, int]:
     if not _is_int(microbatches) or microbatches < least:
         raise PiperConfigError("pipeline.microbatches", microbatches,
                                f"an int >= {least} for {schedule} with pp={pp}")
+    if schedule == "dualpipe" and microbatches % 2:
+        raise PiperConfigError("pipeline.microbatches", microbatches,
+                               "an even number for dualpipe (half of them enter from each end)")
     if interleaved and microbatches % pp:
         raise PiperConfigError("pipeline.microbatches", microbatches,
                                f"a multiple of pp={pp} for interleaved_1f1b")

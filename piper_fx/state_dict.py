@@ -8,8 +8,8 @@ from torch.nn.utils import parametrize
 
 from .sharding.row_shard import sharded_parameter_info
 
-# Set by the backend on each parameter of a pipeline: the pipeline rank whose
-# stage reads it, the only rank whose optimizer updates it.
+# Set by the backend on each parameter of a pipeline: a pipeline rank whose
+# stage reads it (ranks whose stages do not read it never update it).
 _OWNER_ATTR = "_piper_pipeline_owner"
 
 

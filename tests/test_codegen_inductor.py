@@ -25,13 +25,15 @@ def test_inductor_codegen_matches_single_process_for_every_zero_level(tmp_path):
             assert "reduce_scatter_tensor" in reductions if zero >= 2 else "all_reduce" in reductions
 
 
-def test_zero_bubble_pipeline_compiles_its_split_backward_with_inductor(tmp_path):
+def test_dualpipev_compiles_its_whole_and_split_backwards_with_inductor(tmp_path):
     from training import pipeline_worker
     options = {"mesh": {"pp": 2}, "codegen": "inductor", "debug_dir": str(tmp_path),
-               "pipeline": {"schedule": "zb1p", "microbatches": 2}}
-    configs = [{"options": options, "pp_regions": True, "per_rank_batch": 2}]
+               "pipeline": {"schedule": "dualpipev", "microbatches": 4}}
+    configs = [{"options": options, "pp_regions": True, "n_layer": 4, "per_rank_batch": 4}]
     for rank, (run,) in enumerate(run_ranks(pipeline_worker, 2, configs, deadline_s=900)):
         assert max(run["loss_errors"]) < 1e-5 and max(run["param_errors"].values()) < 1e-5, rank
     (graph_dir,) = (tmp_path / "rank1").iterdir()
-    for task in ("F1", "I1", "W1"):  # the last stage's backward runs as separate I and W kernels
+    # Rank 1 holds stages 1 and 2 of the V; DualPipe runs some backwards whole (B, in the overlapped
+    # pairs) and splits the others into I and W: all of them are compiled kernels.
+    for task in ("F1", "F2", "B1", "B2", "I2", "W2"):
         assert "cpp_fused" in (graph_dir / "codegen" / f"{task}.py").read_text(), task

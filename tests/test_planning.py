@@ -107,44 +107,14 @@ def test_bucket_size_sets_the_number_of_collectives(tmp_path):
 
 def _plan_world_64() -> dict:
     """pp=8 x dp=8 on a fake process group: every rank's program, built in this one process."""
-    import time
-
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import piper_fx
-    from examples.gpt import GPT, GPTConfig
-    from piper_fx.capture import capture
     from piper_fx.ir import Recv, Send
-    from piper_fx.passes import run_passes
-    from piper_fx.sharding.mesh import dp_group_name
+    from training import plan_all_ranks
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**SMALL, "n_layer": 8}, tied_embeddings=False))
-    model.block_context = lambda: piper_fx.annotate("PP")
     options = {"mesh": {"pp": 8, "dp": 8}, "zero": 3, "codegen": "eager",
                "pipeline": {"schedule": "1f1b", "microbatches": 16}}
-    piper_fx.prepare(model, options)
-    captured = {}
-
-    def keep_graph(gm, example_inputs):
-        captured.update(gm=gm, example_inputs=example_inputs)
-        return gm.forward
-
-    x, y = global_batch(0, 16, model.cfg)
-    torch.compile(model, backend=keep_graph)(x, y)
-    start = time.monotonic()
-    strategy = piper_fx.parse_options(options)
-    dag = capture(captured["gm"], captured["example_inputs"], strategy, dp_group_name(strategy))
-    programs = {}
-    for dp_index in range(8):  # one capture; the passes per data-parallel index (ZeRO-1 slices and peers differ)
-        planned = run_passes(dag.copy(), strategy.with_rank(dp_index), lambda *_: None)
-        programs.update(planned.programs)
-    seconds = time.monotonic() - start
+    programs, seconds = plan_all_ranks(options, world=64, n_layer=8, batch_rows=16)
     sends = {(r, i.peer, i.tag) for r, p in programs.items() for i in p.instructions if isinstance(i, Send)}
     recvs = {(i.peer, r, i.tag) for r, p in programs.items() for i in p.instructions if isinstance(i, Recv)}
-    dist.destroy_process_group()
     return {"ranks": sorted(programs), "seconds": seconds, "sends": len(sends), "unmatched": len(sends ^ recvs),
             "runs": sum(1 for p in programs.values() for i in p.instructions if type(i).__name__ == "Run")}
 

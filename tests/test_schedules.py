@@ -7,11 +7,15 @@ from piper_fx.schedules import Action, Schedule, ScheduleError
 
 @pytest.mark.parametrize("pp", range(2, 9))
 def test_every_preset_validates_for_its_whole_range(pp):
-    for microbatches in range(pp, 3 * pp + 1):
+    for microbatches in range(pp, 4 * pp + 1):
         schedules.build("gpipe", pp, microbatches)
         schedules.build("1f1b", pp, microbatches)
         schedules.build("zb1p", pp, microbatches)
         assert schedules.build("zbv", pp, microbatches, 2).stage_to_rank == schedules.v_placement(pp)
+        if microbatches >= 2 * pp:
+            assert schedules.build("dualpipev", pp, microbatches, 2).stage_to_rank == schedules.v_placement(pp)
+            if pp % 2 == 0 and microbatches % 2 == 0:
+                assert schedules.build("dualpipe", pp, microbatches).copies == 2
         for stages_per_rank in (2, 3):
             if microbatches % pp == 0:
                 s = schedules.build("interleaved_1f1b", pp, microbatches, stages_per_rank)
@@ -131,3 +135,69 @@ def test_zbv_simulated_bubble_beats_1f1b_on_the_same_layers():
         flat = schedules.simulate(schedules.build("1f1b", pp, m), schedules.Costs(F=2, B=4))
         v = schedules.simulate(schedules.build("zbv", pp, m, 2), schedules.Costs(F=1, B=2, I=1, W=1))
         assert v.makespan < flat.makespan and max(v.bubbles) < max(flat.bubbles), (pp, v.bubbles, flat.bubbles)
+
+
+def test_dualpipe_bubbles_meet_deepseeks_bound():
+    """DeepSeek's table: DualPipe's bubble is (PP/2-1)(F&B+B-3W) for PP stages in each direction;
+    DualPipeV on P ranks is DualPipe folded onto half the ranks, so PP = 2P there. It holds with
+    equality when W <= F <= I (the transformer regime the table assumes); with W > F or I < F
+    the phases that hide W's and I's leave gaps the formula does not count."""
+    import random
+    rng = random.Random(2)
+    checked = 0
+    while checked < 300:
+        f, i, w = rng.uniform(0.2, 3), rng.uniform(0.2, 3), rng.uniform(0.1, 3)
+        if not w <= f <= i:
+            continue
+        b = i + w
+        fb = rng.uniform(max(f, b), f + b)  # overlapping F with B saves at most the shorter one
+        costs = schedules.Costs(F=f, B=b, I=i, W=w, FB=fb)
+        ranks = rng.choice([2, 4, 6, 8])
+        microbatches = rng.randint(2 * ranks, 4 * ranks)
+        for name, stages in (("dualpipe", ranks), ("dualpipev", 2 * ranks)):
+            m = microbatches + microbatches % 2 if name == "dualpipe" else microbatches
+            sim = schedules.simulate(schedules.build(name, ranks, m), costs)
+            bound = (stages / 2 - 1) * (fb + b - 3 * w)
+            assert max(sim.bubbles) <= bound + 1e-9, (name, ranks, m, costs, sim.bubbles, bound)
+        checked += 1
+    # Tight: with equal F, I and W and no gain from overlapping, every rank idles exactly that long.
+    for ranks in (2, 4, 6, 8):
+        costs = schedules.Costs(F=1, B=2, I=1, W=1, FB=3)
+        for name, stages in (("dualpipe", ranks), ("dualpipev", 2 * ranks)):
+            sim = schedules.simulate(schedules.build(name, ranks, 2 * ranks), costs)
+            assert sim.bubbles == pytest.approx([(stages / 2 - 1) * 2] * ranks), (name, ranks)
+
+
+def test_dualpipe_beats_1f1b_and_zb1p_on_the_same_layers():
+    f, i, w, fb = 1.0, 1.0, 1.0, 2.5
+    for ranks in (4, 8):
+        m = 2 * ranks
+        one_f_one_b = schedules.simulate(schedules.build("1f1b", ranks, m), schedules.Costs(F=f, B=i + w))
+        dual = schedules.simulate(schedules.build("dualpipe", ranks, m),
+                                  schedules.Costs(F=f, B=i + w, I=i, W=w, FB=fb))
+        assert max(dual.bubbles) < max(one_f_one_b.bubbles)
+        assert dual.makespan < one_f_one_b.makespan
+
+
+def test_overlapped_pairs_are_checked():
+    row = [Action(0, F, 0), Action(0, F, 1), Action(0, B, 0), Action(0, B, 1)]
+    two_forwards = Schedule("custom", 1, 2, (0,), [row], pairs=[{0}])
+    with pytest.raises(ScheduleError, match=r"rank 0 actions 0-1 \(F0\.0&F0\.1\): an overlapped pair is one F and one B"):
+        schedules.validate(two_forwards)
+    waits = Schedule("custom", 1, 2, (0,), [[Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)]],
+                     pairs=[{0}])
+    with pytest.raises(ScheduleError, match=r"B0\.0 waits for F0\.0, so they cannot run overlapped"):
+        schedules.validate(waits)
+    fine = Schedule("custom", 1, 2, (0,), [row], pairs=[{1}])
+    assert [len(g) for g in schedules.validate(fine).steps(0)] == [1, 2, 1]
+    assert "F0.1&B0.0" in schedules.text_grid(fine)
+
+
+def test_copies_take_their_own_half_of_the_microbatches():
+    s = schedules.build("dualpipe", 2, 4)
+    assert [s.copy_of(m) for m in range(4)] == [0, 0, 1, 1]
+    assert s.stage_rank(0, 0) == 0 and s.stage_rank(0, 3) == 1  # copy 1 runs stage 0 on the last rank
+    wrong = Schedule("custom", 2, 4, s.stage_to_rank, [list(r) for r in s.actions], copies=2, pairs=s.pairs)
+    wrong.actions[0][0] = Action(0, F, 3)
+    with pytest.raises(ScheduleError, match=r"microbatch 3 goes through copy 1, stage 0 is in copy 0"):
+        schedules.validate(wrong)

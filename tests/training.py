@@ -95,6 +95,10 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
         "param_errors": param_errors,
         "optimizer_state_bytes": optimizer_state_bytes(opt),
         "params_with_state": sorted(name for name, p in model.named_parameters() if p in opt.state),
+        # Parameters this rank trained, as it holds them (several pipeline ranks may hold one);
+        # numpy, since a worker's tensors would travel as shared memory that dies with it.
+        "trained_values": {name: p.detach().numpy().copy() for name, p in model.named_parameters()
+                           if p in opt.state},
         "all_params": sorted(name for name, _ in model.named_parameters()),
         "reference_state_bytes": optimizer_state_bytes(ref_opt),
         "local_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
@@ -175,7 +179,8 @@ def pipeline_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
     for config in configs:
         config = dict(config)
         options = {"codegen": "eager", **config.pop("options")}
-        results.append(train_and_compare(rank, world, options, "sgd", steps=3, tied=False, **config))
+        config = {"steps": 3, "tied": False, **config}
+        results.append(train_and_compare(rank, world, options, "sgd", **config))
     return results
 
 
@@ -223,7 +228,6 @@ def pipeline_errors_worker(rank: int, world: int) -> dict:
             {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 1}})),
         "regions": error_of(lambda: train_once(n_layer=3)),
         "batch": error_of(lambda: train_once(batch=3)),
-        "tied": error_of(lambda: train_once(tied=True, regions=False)),
     }
 
 
@@ -252,3 +256,40 @@ def one_step_with_dumps_worker(rank: int, world: int, options: dict) -> None:
     dp = mesh.get("dp", world // mesh.get("pp", 1))
     x, y = global_batch(0, 4 * dp, cfg)
     torch.compile(model, backend="piper", options=options)(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]).backward()
+
+
+def plan_all_ranks(options: dict, world: int, n_layer: int, batch_rows: int) -> tuple[dict, float]:
+    """Every rank's program for `options`, planned in this process on a fake process group of
+    `world` ranks from one capture of the example GPT (with PP regions): (programs, seconds)."""
+    import time
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from piper_fx.capture import capture
+    from piper_fx.passes import run_passes
+    from piper_fx.sharding.mesh import dp_group_name
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=False))
+        model.block_context = lambda: piper_fx.annotate("PP")
+        piper_fx.prepare(model, options)
+        captured = {}
+
+        def keep_graph(gm, example_inputs):
+            captured.update(gm=gm, example_inputs=example_inputs)
+            return gm.forward
+
+        x, y = global_batch(0, batch_rows, model.cfg)
+        torch.compile(model, backend=keep_graph)(x, y)
+        start = time.monotonic()
+        strategy = piper_fx.parse_options(options)
+        dag = capture(captured["gm"], captured["example_inputs"], strategy, dp_group_name(strategy))
+        programs = {}
+        for dp_index in range(strategy.dp):  # one capture; passes per data-parallel index (ZeRO-1 slices differ)
+            planned = run_passes(dag.copy(), strategy.with_rank(dp_index), lambda *_: None)
+            programs.update(planned.programs)
+        return programs, time.monotonic() - start
+    finally:
+        dist.destroy_process_group()

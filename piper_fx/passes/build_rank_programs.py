@@ -1,15 +1,22 @@
 """Pass: lower the schedule and the stage tasks to each rank's program.
 
-Requires: `dag.schedule` (validated) and `dag.tasks` (F<s>, B<s> or I<s>/W<s>,
-and P<s>/E<s> where a stage has once-per-step ops); the strategy's mesh.
+Requires: `dag.schedule` (validated) and `dag.tasks` (F<s>, B<s> and/or I<s>/W<s>,
+and P<s>/E<s> where a stage has once-per-step ops, for each model stage s);
+`dag.parameter_holders`; the strategy's mesh.
 Guarantees: `dag.programs[r]` is the program of every rank r sharing this
-rank's data-parallel index (the whole pipeline of its replica): for each action
-of the rank's schedule row, a `Recv` of every input produced on another
-pipeline rank (just before its first reader), `Run(task, microbatch)`, and a
-`Send` of every output read on another pipeline rank. A stage's prologue runs
-before its first action and its epilogue after its last. Gradients and the
-loss accumulate over microbatches; at the end the last stage sends the loss to
-every other pipeline rank, so all return it.
+rank's data-parallel index (the whole pipeline of its replica): for each step
+of the rank's schedule row (an action, or an overlapped F&B pair), a `Recv` of
+every input produced on another pipeline rank, then `Run(task, microbatch)`
+and a `Send` of every output read on another pipeline rank. Receives are
+posted one step ahead (a pair's both before either runs), so they arrive while
+the rank computes. A stage's prologue runs before its first action and its
+epilogue after its last.
+Gradients and the loss accumulate over microbatches. A parameter held by
+several pipeline ranks (tied across stages, or under DualPipe's two copies)
+ends the step with the same gradient on all of them: each rank that computed a
+part sends it to the others, which add it to theirs. Likewise each rank that
+computed part of the loss sends it to every other pipeline rank, so all
+return the whole loss.
 Each transfer has its own tag, so receives never match the wrong message; and
 since every transfer follows a schedule dependency, a schedule that validates
 cannot deadlock at run time (sends do not block). Without a pipeline this is
@@ -17,12 +24,16 @@ one rank running P0, F0, B0, E0 (those that exist).
 """
 from __future__ import annotations
 
-from ..ir import InputRole, OutputRole, RankProgram, Recv, Run, Send, Task, TaskKind, TrainingDAG
+from ..ir import (InputRole, Instruction, OutputRole, RankProgram, Recv, Run, Send, Task, TaskKind,
+                  TrainingDAG)
 from ..options import Strategy
+
+ONCE_PER_STEP = (TaskKind.P, TaskKind.E)
 
 
 def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     schedule = dag.schedule
+    M = strategy.microbatches
     tasks = {(t.stage, t.kind): t for t in dag.tasks}
     joint_nodes = {n.name: n for n in dag.joint.graph.nodes}
     producer: dict[str, Task] = {out: t for t in dag.tasks for out in t.outputs}
@@ -30,77 +41,132 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     for t in dag.tasks:
         for name in t.inputs:
             consumers.setdefault(name, []).append(t)
-    once_per_step = (TaskKind.P, TaskKind.E)
 
     per_microbatch_inputs = {i.name for i in dag.inputs if i.role in (InputRole.INPUT, InputRole.TANGENT)}
     # Summed over microbatches: the loss, gradients, and what an epilogue reduces.
     accumulated = {o.name for o in dag.outputs if o.role in (OutputRole.LOSS, OutputRole.GRAD)}
-    accumulated |= {name for name in producer if producer[name].kind not in once_per_step
+    accumulated |= {name for name in producer if producer[name].kind not in ONCE_PER_STEP
                     and any(c.kind is TaskKind.E for c in consumers.get(name, []))}
     loss = next((o.name for o in dag.outputs if o.role is OutputRole.LOSS), None)
     if loss is None:  # inference: the first user output plays the loss's part for the broadcast
         loss = next(o.name for o in dag.outputs if o.role is OutputRole.OUTPUT)
         accumulated.add(loss)
-    accumulated -= {name for name in accumulated if producer[name].kind in once_per_step}
+    accumulated -= {name for name in accumulated if producer[name].kind in ONCE_PER_STEP}
     per_step = ({i.name for i in dag.inputs if i.name not in per_microbatch_inputs} | accumulated
-                | {name for name, t in producer.items() if t.kind in once_per_step})
+                | {name for name, t in producer.items() if t.kind in ONCE_PER_STEP})
 
-    def pp_rank_of(task: Task) -> int:
-        return schedule.stage_to_rank[task.stage]
+    def ranks_running(stage: int) -> list[int]:
+        return sorted({schedule.stage_rank(stage, m) for m in range(M)})
 
-    transferred = sorted(name for name, t in producer.items()
-                         if any(pp_rank_of(c) != pp_rank_of(t) for c in consumers.get(name, [])))
-    slots = strategy.microbatches + 1  # one tag per microbatch, and one for a per-step value
+    def source_rank(task: Task, microbatch: int | None, reader: int) -> int:
+        """Where a value `task` makes for `microbatch` comes from, for a reader on pipeline rank `reader`."""
+        if microbatch is not None:
+            return schedule.stage_rank(task.stage, microbatch)
+        ranks = ranks_running(task.stage)  # a per-step value: every rank running the stage has it
+        return reader if reader in ranks else ranks[0]
+
+    names = sorted(producer)
+    slots = M + 1  # one tag per microbatch, and one for a per-step value
+    index_of = {name: i for i, name in enumerate(names)}
 
     def tag(name: str, microbatch: int | None) -> int:
-        return transferred.index(name) * slots + (strategy.microbatches if microbatch is None else microbatch)
+        return index_of[name] * slots + (M if microbatch is None else microbatch)
 
-    broadcast_tag = len(transferred) * slots
+    final_tag = len(names) * slots  # + index among the values summed over ranks at the end
 
     def global_rank(pp_rank: int) -> int:
         return pp_rank * strategy.dp + strategy.dp_index
 
-    loss_pp_rank = pp_rank_of(producer[loss])
+    def recv(name: str, microbatch: int | None, peer: int, tag_: int, accumulate: bool = False) -> Recv:
+        val = joint_nodes[name].meta["val"]
+        return Recv(name, microbatch, global_rank(peer), tag_, tuple(val.shape), val.dtype, accumulate)
+
+    # Values summed over pipeline ranks at the end of the step: the loss, and
+    # the gradients of parameters held by several ranks.
+    grad_param = {o.name: i.name for o in dag.outputs if o.role is OutputRole.GRAD
+                  for i in dag.inputs if i.arg_index == o.index}
+    shared = {loss: list(range(strategy.pp))} if strategy.pp > 1 else {}
+    for grad, param in grad_param.items():
+        holders = dag.parameter_holders.get(param, ())
+        if len(holders) > 1 and grad in producer:
+            shared[grad] = list(holders)
+    shared_order = sorted(shared)
+
     for pp_rank in range(strategy.pp):
-        instructions = []
         received: set[tuple[str, int | None]] = set()
 
-        def run(task: Task, microbatch: int | None) -> None:
+        def receives(task: Task, microbatch: int | None) -> list[Instruction]:
+            out = []
             for name in task.inputs:
                 source = producer.get(name)
                 m = None if name in per_step else microbatch
-                if source is None or pp_rank_of(source) == pp_rank or (name, m) in received:
+                if source is None or (name, m) in received:
                     continue
-                val = joint_nodes[name].meta["val"]
-                instructions.append(Recv(name, m, global_rank(pp_rank_of(source)), tag(name, m),
-                                         tuple(val.shape), val.dtype))
-                received.add((name, m))
-            instructions.append(Run(task.name, microbatch))
+                peer = source_rank(source, m, pp_rank)
+                if peer != pp_rank:
+                    out.append(recv(name, m, peer, tag(name, m)))
+                    received.add((name, m))
+            return out
+
+        def run_and_send(task: Task, microbatch: int | None) -> list[Instruction]:
+            out: list[Instruction] = [Run(task.name, microbatch)]
             for name in task.outputs:
                 if name in accumulated:
                     continue  # complete only after the last microbatch; read by this rank's epilogue
                 m = None if name in per_step else microbatch
-                peers = sorted({pp_rank_of(c) for c in consumers.get(name, [])} - {pp_rank})
-                instructions.extend(Send(name, m, global_rank(p), tag(name, m)) for p in peers)
+                peers = set()
+                for reader in consumers.get(name, []):
+                    for reader_rank in ([schedule.stage_rank(reader.stage, m)] if m is not None
+                                        else ranks_running(reader.stage)):
+                        if reader_rank != pp_rank and source_rank(task, m, reader_rank) == pp_rank:
+                            peers.add(reader_rank)
+                out.extend(Send(name, m, global_rank(p), tag(name, m)) for p in sorted(peers))
+            return out
 
+        # Each schedule step (an action or an overlapped pair, with the stage's
+        # prologue before its first action and its epilogue after its last) as
+        # (receives, runs and sends).
+        steps: list[tuple[list[Instruction], list[Instruction]]] = []
         row = schedule.actions[pp_rank]
+        first = {}
+        last = {}
         for index, action in enumerate(row):
-            stage_actions = [a for a in row if a.stage == action.stage]
-            if action is stage_actions[0] and (action.stage, TaskKind.P) in tasks:
-                run(tasks[(action.stage, TaskKind.P)], None)
-            task = tasks.get((action.stage, TaskKind(action.kind)))
-            if task is not None:
-                run(task, action.microbatch)
-            if action is stage_actions[-1] and (action.stage, TaskKind.E) in tasks:
-                run(tasks[(action.stage, TaskKind.E)], None)
-        if strategy.pp > 1:
-            if pp_rank == loss_pp_rank:
-                instructions.extend(Send(loss, None, global_rank(p), broadcast_tag)
-                                    for p in range(strategy.pp) if p != pp_rank)
-            else:
-                loss_val = joint_nodes[loss].meta["val"]
-                instructions.append(Recv(loss, None, global_rank(loss_pp_rank), broadcast_tag,
-                                         tuple(loss_val.shape), loss_val.dtype))
+            first.setdefault(action.stage, index)
+            last[action.stage] = index
+        index = 0
+        for group in schedule.steps(pp_rank):
+            recvs: list[Instruction] = []
+            runs: list[Instruction] = []
+            for action in group:
+                stage = schedule.model_stage(action.stage)
+                planned = []
+                if first[action.stage] == index and (stage, TaskKind.P) in tasks:
+                    planned.append((tasks[(stage, TaskKind.P)], None))
+                if (stage, TaskKind(action.kind)) in tasks:
+                    planned.append((tasks[(stage, TaskKind(action.kind))], action.microbatch))
+                if last[action.stage] == index and (stage, TaskKind.E) in tasks:
+                    planned.append((tasks[(stage, TaskKind.E)], None))
+                for task, m in planned:
+                    recvs += receives(task, m)
+                    runs += run_and_send(task, m)
+                index += 1
+            steps.append((recvs, runs))
+        instructions: list[Instruction] = list(steps[0][0]) if steps else []
+        for k, (_, runs) in enumerate(steps):
+            if k + 1 < len(steps):
+                instructions += steps[k + 1][0]  # post the next step's receives before running this one
+            instructions += runs
+
+        for i, name in enumerate(shared_order):
+            producers = ranks_running(producer[name].stage)
+            if pp_rank in producers:
+                instructions += [Send(name, None, global_rank(p), final_tag + i)
+                                 for p in shared[name] if p != pp_rank]
+        for i, name in enumerate(shared_order):
+            if pp_rank in shared[name]:
+                instructions += [recv(name, None, p, final_tag + i, accumulate=True)
+                                 for p in ranks_running(producer[name].stage) if p != pp_rank]
+
         rank = global_rank(pp_rank)
         run_tasks = {i.task for i in instructions if isinstance(i, Run)}
         dag.programs[rank] = RankProgram(

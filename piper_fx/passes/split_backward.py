@@ -1,8 +1,9 @@
 """Pass: split each stage's backward into input-gradient (I) and weight-gradient (W) tasks.
 
-Requires: `dag.tasks` from `split_stages`; `dag.schedule`. Only a schedule with
-I and W actions (zero-bubble ones) has its backwards split; others pass through.
-Guarantees: every B<s> is replaced by I<s> (the ops the gradients sent to
+Requires: `dag.tasks` from `split_stages`; `dag.schedule`. Only stages with I
+and W actions in the schedule (zero-bubble ones) have their backwards split;
+a stage with both B and I/W actions (DualPipe) keeps B<s> as well.
+Guarantees: every split B<s> is replaced by I<s> (the ops the gradients sent to
 earlier stages need) and W<s> (the rest: parameter gradients and what reduces
 them), which together compute exactly B<s>. I<s> also outputs the values W<s>
 reads from it, so W can run later on the same rank: deferring W is what fills
@@ -50,7 +51,12 @@ def _split(task: Task, weight_outputs: set[str]) -> list[Task]:
 
 
 def split_backward(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
-    if not dag.training or not any(a.kind in ("I", "W") for row in dag.schedule.actions for a in row):
+    schedule = dag.schedule
+    kinds_of_stage: dict[int, set[str]] = {}
+    for row in schedule.actions:
+        for action in row:
+            kinds_of_stage.setdefault(schedule.model_stage(action.stage), set()).add(action.kind)
+    if not dag.training or not any(kinds & {"I", "W"} for kinds in kinds_of_stage.values()):
         return dag
     read_by = {}
     for task in dag.tasks:
@@ -59,9 +65,12 @@ def split_backward(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     parameter_grads = {o.name for o in dag.outputs if o.role is OutputRole.GRAD}
     tasks = []
     for task in dag.tasks:
-        if task.kind is not TaskKind.B:
+        kinds = kinds_of_stage.get(task.stage, set())
+        if task.kind is not TaskKind.B or not kinds & {"I", "W"}:
             tasks.append(task)
             continue
+        if "B" in kinds:  # schedules such as DualPipe split only some microbatches' backwards
+            tasks.append(task)
         # Parameter gradients and what only the epilogue reads (their reductions' inputs) are W's.
         weight_outputs = {name for name in task.outputs if name in parameter_grads or (
             read_by.get(name) and all(t.kind is TaskKind.E for t in read_by[name]))}

@@ -1,7 +1,8 @@
 """Pass: cut the joint graph into pipeline stages, each with a forward and a backward task.
 
 Requires: the joint graph after the collective passes; `dag.schedule`, whose
-stages (pp * stages_per_rank) and placement this pass follows.
+stages (pp * stages_per_rank, or per copy of the stages for bidirectional
+DualPipe) and placement this pass follows.
 Guarantees: `dag.tasks` holds F<s> for every stage s (and B<s> when training),
 plus P<s> / E<s> for the stage's once-per-step ops (marked by the collective
 passes: ZeRO-1/2 gathers before the first microbatch, DDP / ZeRO-1 gradient
@@ -17,9 +18,10 @@ Values keep their joint-graph node names across tasks. Stage assignment:
   - backward: each op goes to the stage of the forward op it differentiates
     (AOTAutograd's `seq_nr`), but never later than the stages of the
     gradients it reads, so gradients only flow to earlier stages.
-A parameter read by stages on different pipeline ranks (e.g. embeddings tied
-across the first and last stage) is refused: both ranks would need the sum of
-their gradient contributions.
+`dag.parameter_holders` lists, per parameter, the pipeline ranks running a
+stage that reads it: several for embeddings tied across the first and last
+stage, and for every parameter under DualPipe's two copies. Those ranks
+exchange and sum their gradient contributions (see `build_rank_programs`).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..errors import PiperConfigError, PiperError
+from ..errors import PiperConfigError
 from ..ir import PHASE, STEP_END, STEP_START, InputRole, Task, TaskKind, TrainingDAG, forward_nodes
 from ..options import Strategy
 
@@ -124,22 +126,19 @@ def _backward_stages(compute: list[fx.Node], forward_stage: dict[fx.Node, int],
     return stage
 
 
-def _parameter_owners(dag: TrainingDAG, stage: dict[fx.Node, int]) -> dict[str, int]:
-    """The pipeline rank of every parameter's readers (the schedule places stages)."""
+def _parameter_holders(dag: TrainingDAG, stage: dict[fx.Node, int]) -> dict[str, tuple[int, ...]]:
+    """The pipeline ranks that run a stage reading each parameter (in any copy of the stages)."""
     roles = dag.input_by_name()
-    owners = {}
+    schedule = dag.schedule
+    holders = {}
     for node in dag.joint.graph.nodes:
         if node.op != "placeholder" or roles[node.name].role not in (InputRole.PARAM, InputRole.PARAM_SHARD):
             continue
-        ranks = {dag.schedule.stage_to_rank[stage[u]] for u in node.users if u in stage}
-        if len(ranks) == 1:
-            owners[node.name] = ranks.pop()
-        elif len(ranks) > 1:
-            raise PiperError(
-                f"parameter {roles[node.name].fqn} is read by stages on pipeline ranks {sorted(ranks)}; "
-                "parameters tied across pipeline ranks are not supported yet (untie them, e.g. the "
-                "input and output embeddings)")
-    return owners
+        ranks = {schedule.stage_rank(stage[u], m) for u in node.users if u in stage
+                 for m in range(schedule.num_microbatches)}
+        if ranks:
+            holders[node.name] = tuple(sorted(ranks))
+    return holders
 
 
 def extract_graph(root: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node],
@@ -159,7 +158,7 @@ def extract_graph(root: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.No
 
 def split_stages(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     graph = dag.joint.graph
-    num_stages = dag.schedule.num_stages
+    num_stages = dag.schedule.stages_per_copy
     forward = forward_nodes(dag)
     compute = [n for n in graph.nodes if n.op in ("call_function", "get_attr")]
     fwd_compute = [n for n in compute if n in forward]
@@ -171,7 +170,7 @@ def split_stages(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     for node in compute:
         if node.target is operator.getitem:
             stage[node] = stage[node.args[0]]
-    dag.parameter_owner = _parameter_owners(dag, stage)
+    dag.parameter_holders = _parameter_holders(dag, stage)
 
     kind = _task_kinds(compute, forward)
     final_outputs = set(dag.output_node().args[0])

@@ -31,21 +31,42 @@ def around_tasks(*contexts) -> Iterator[None]:
 def _reads(program: RankProgram, instruction) -> list[Key]:
     if isinstance(instruction, Run):
         return [program.key(n, instruction.microbatch) for n in program.tasks[instruction.task].inputs]
-    if isinstance(instruction, Send):
+    if isinstance(instruction, Send) or (isinstance(instruction, Recv) and instruction.accumulate):
         return [program.key(instruction.value, instruction.microbatch)]
     return []
 
 
-def _activation_bytes(values: dict[Key, torch.Tensor], input_storages: set[int]) -> int:
-    """Bytes of per-microbatch values the program made: not the step's inputs
-    (batch, parameters) nor views of them, such as a transposed weight."""
+def _activation_bytes(values: dict[Key, torch.Tensor], receiving: "dict[Key, list[_Receiving]]",
+                      input_storages: set[int]) -> int:
+    """Bytes of per-microbatch values the program made or is receiving: not the
+    step's inputs (batch, parameters) nor views of them, such as a transposed weight."""
     storages = {}
-    for (_, microbatch), value in values.items():
+    tensors = [(key, value) for key, value in values.items()]
+    tensors += [(key, r.buffer) for key, pending in receiving.items() for r in pending]
+    for (_, microbatch), value in tensors:
         if microbatch is not None and isinstance(value, torch.Tensor):
             storage = value.untyped_storage()
             if storage.data_ptr() not in input_storages:
                 storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+class _Receiving:
+    """A posted receive: the buffer it fills and the work to wait for."""
+
+    def __init__(self, instruction: Recv, rank: int):
+        self.instruction = instruction
+        self.rank = rank
+        self.buffer = torch.empty(instruction.shape, dtype=instruction.dtype)
+        self.work = dist.irecv(self.buffer, src=instruction.peer, tag=instruction.tag)
+
+    def wait(self) -> torch.Tensor:
+        try:
+            self.work.wait()
+        except Exception as e:
+            raise RuntimeError(f"piper_fx rank {self.rank}: receiving {self.instruction.value} from rank "
+                               f"{self.instruction.peer} failed: {e}") from e
+        return self.buffer
 
 
 _last_stats: dict[str, int] = {}
@@ -78,27 +99,35 @@ class ProgramExecutor:
         """Run every instruction; `values` holds the program inputs and is consumed."""
         program = self.program
         pending_sends: list[dist.Work] = []
+        receiving: dict[Key, list[_Receiving]] = {}  # posted receives, completed by the value's first reader
+
+        def arrive(key: Key) -> None:
+            for posted in receiving.pop(key, ()):
+                buffer = posted.wait()
+                held = values.get(key) if posted.instruction.accumulate else None
+                values[key] = buffer if held is None else held + buffer
+
         input_storages = {v.untyped_storage().data_ptr() for v in values.values() if isinstance(v, torch.Tensor)}
         peak = 0
         for index, instruction in enumerate(program.instructions):
+            if not isinstance(instruction, Recv):
+                for key in _reads(program, instruction):
+                    arrive(key)
             if isinstance(instruction, Run):
                 self._run_task(instruction, values, index)
             elif isinstance(instruction, Send):
                 tensor = values[program.key(instruction.value, instruction.microbatch)]
                 pending_sends.append(dist.isend(tensor.contiguous(), dst=instruction.peer, tag=instruction.tag))
             elif isinstance(instruction, Recv):
-                buffer = torch.empty(instruction.shape, dtype=instruction.dtype)
-                try:
-                    dist.irecv(buffer, src=instruction.peer, tag=instruction.tag).wait()
-                except Exception as e:
-                    raise RuntimeError(f"piper_fx rank {program.rank}: receiving {instruction.value} from rank "
-                                       f"{instruction.peer} failed: {e}") from e
-                values[program.key(instruction.value, instruction.microbatch)] = buffer
+                key = program.key(instruction.value, instruction.microbatch)
+                receiving.setdefault(key, []).append(_Receiving(instruction, program.rank))
             if not isinstance(instruction, Send):  # only runs and receives add values
-                peak = max(peak, _activation_bytes(values, input_storages))
+                peak = max(peak, _activation_bytes(values, receiving, input_storages))
             pending_sends = [work for work in pending_sends if not work.is_completed()]
             for key in self.drop_after[index]:
                 values.pop(key, None)
+        for key in list(receiving):
+            arrive(key)
         for work in pending_sends:
             work.wait()
         _last_stats.clear()

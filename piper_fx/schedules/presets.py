@@ -166,11 +166,121 @@ def zbv(ranks: int, microbatches: int, stages_per_rank: int = 2) -> Schedule:
     return greedy_zero_bubble("zbv", ranks, microbatches, v_placement(ranks), max_live=2 * ranks)
 
 
-PRESETS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "zb1p": zb1p, "zbv": zbv}
-SPLIT_BACKWARD = {"zb1p", "zbv"}  # presets whose backward runs as I and W
-V_SHAPED = {"zbv"}  # presets with exactly two stages per rank, in a V
+def _dualpipe_row(half_ranks: int, microbatches: int, depth: int, chunk_stage) -> tuple[list[Action], set[int]]:
+    """One rank's DualPipe order, in the rank's two chunks: chunk 0 sits `depth`
+    stages from its pipeline's start, chunk 1 as far from its end (the V of
+    DualPipeV, or the two directions of DualPipe); each chunk sees
+    `microbatches` microbatches. `chunk_stage(chunk)` -> (stage, first microbatch).
+
+    Eight phases (DeepSeek's DualPipe): forwards of chunk 0 to fill the pipe,
+    then of both chunks; zero-bubble backwards of chunk 1 while its forwards
+    finish; the steady state of overlapped F&B pairs, each a forward of one
+    chunk with a backward of the other; then the drain, where the second half
+    of the backwards defer their weight gradients (W, oldest first) into the
+    time the pipeline would otherwise idle.
+    """
+    row: list[Action] = []
+    pairs: set[int] = set()
+    next_of = {(kind, chunk): 0 for kind in "FB" for chunk in (0, 1)}
+    deferred: list[Action] = []
+
+    def take(kind: str, chunk: int) -> tuple[int, int]:
+        stage, first = chunk_stage(chunk)
+        m = first + next_of[(kind, chunk)]
+        next_of[(kind, chunk)] += 1
+        return stage, m
+
+    def forward(chunk: int) -> None:
+        stage, m = take("F", chunk)
+        row.append(Action(stage, "F", m))
+
+    def backward(chunk: int, defer_weights: bool = False) -> None:
+        stage, m = take("B", chunk)
+        if defer_weights:
+            row.append(Action(stage, "I", m))
+            deferred.append(Action(stage, "W", m))
+        else:
+            row.append(Action(stage, "B", m))
+
+    def weights() -> None:
+        row.append(deferred.pop(0))
+
+    def pair(forward_chunk: int, backward_chunk: int) -> None:
+        pairs.add(len(row))
+        forward(forward_chunk)
+        backward(backward_chunk)
+
+    n, h = half_ranks, depth
+    for _ in range(2 * (n - h - 1)):
+        forward(0)
+    for _ in range(h + 1):
+        forward(0)
+        forward(1)
+    for _ in range(n - h - 1):
+        backward(1, defer_weights=True)
+        weights()
+        forward(1)
+    for i in range(microbatches - 2 * n + h + 1):
+        if i == 0 and h == n - 1:  # the turn of the V: chunk 1's backward needs this very forward
+            forward(0)
+            backward(1)
+        else:
+            pair(0, 1)
+        pair(1, 0)
+    for _ in range(n - h - 1):
+        backward(1)
+        pair(1, 0)
+    defer = False
+    for i in range(h + 1):
+        defer = defer or (i == (h + 1) // 2 and h % 2 == 1)
+        backward(1, defer)
+        defer = defer or (i == (h + 1) // 2 and h % 2 == 0)
+        backward(0, defer)
+    for _ in range(n - h - 1):
+        weights()
+        backward(0, defer_weights=True)
+    while deferred:
+        weights()
+    return row, pairs
+
+
+def dualpipev(ranks: int, microbatches: int, stages_per_rank: int = 2) -> Schedule:
+    """DualPipeV (DualPipe cut in half): two stages per rank in a V, one copy of
+    the model; chunk 0 of rank r is stage r, chunk 1 stage 2P-1-r. Needs M >= 2P."""
+    rows = [_dualpipe_row(ranks, microbatches, r, lambda chunk, r=r: ((r, 2 * ranks - 1 - r)[chunk], 0))
+            for r in range(ranks)]
+    return Schedule("dualpipev", ranks, microbatches, v_placement(ranks), [a for a, _ in rows],
+                    pairs=[p for _, p in rows])
+
+
+def dualpipe(ranks: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
+    """DualPipe (bidirectional): two copies of the P stages, copy 0 placed on
+    ranks 0..P-1 and fed from rank 0 with the first half of the microbatches,
+    copy 1 placed on ranks P-1..0 and fed from rank P-1 with the second half.
+    Rank r's chunk 0 is the copy in which it is among the first P/2 stages. The
+    copies' gradients are summed. Needs an even P and M >= 2P."""
+    half = microbatches // 2
+
+    def chunks(rank: int):
+        own = ((0, rank), (1, ranks - 1 - rank))  # (copy, stage in copy) held by the rank
+        early, late = own if rank < ranks // 2 else own[::-1]
+        return lambda chunk: ((early, late)[chunk][0] * ranks + (early, late)[chunk][1],
+                              (early, late)[chunk][0] * half)
+
+    rows = [_dualpipe_row(ranks // 2, half, min(r, ranks - 1 - r), chunks(r)) for r in range(ranks)]
+    placement = tuple(range(ranks)) + tuple(reversed(range(ranks)))
+    return Schedule("dualpipe", ranks, microbatches, placement, [a for a, _ in rows], copies=2,
+                    pairs=[p for _, p in rows])
+
+
+PRESETS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b, "zb1p": zb1p, "zbv": zbv,
+           "dualpipev": dualpipev, "dualpipe": dualpipe}
+SPLIT_BACKWARD = {"zb1p", "zbv", "dualpipev", "dualpipe"}  # presets whose backward (partly) runs as I and W
+V_SHAPED = {"zbv", "dualpipev"}  # presets with exactly two stages per rank, in a V
 
 
 def min_microbatches(name: str, ranks: int, stages_per_rank: int) -> int:
     """The fewest microbatches the preset is defined for."""
+    if name in ("dualpipev", "dualpipe"):
+        return 2 * ranks
     return 1 if name == "gpipe" else ranks

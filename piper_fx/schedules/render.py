@@ -5,16 +5,25 @@ from html import escape
 
 from .schedule import Schedule, run_order
 
-_COLORS = {"F": "#6fa8dc", "B": "#93c47d", "I": "#b6d7a8", "W": "#ffd966"}
+_COLORS = {"F": "#6fa8dc", "B": "#93c47d", "I": "#b6d7a8", "W": "#ffd966", "pair": "#c27ba0"}
+
+
+def _cells(schedule: Schedule) -> dict[tuple[int, int], list]:
+    """(time step, rank) -> the actions run then: one, or an overlapped F&B pair."""
+    cells: dict[tuple[int, int], list] = {}
+    for step, rank, action in run_order(schedule):
+        cells.setdefault((step, rank), []).append(action)
+    return cells
 
 
 def text_grid(schedule: Schedule) -> str:
-    """One row per rank, one column per simulated time step; cells `F<stage>.<microbatch>`."""
-    order = run_order(schedule)
-    steps = 1 + max(step for step, _, _ in order)
+    """One row per rank, one column per simulated time step; cells `F<stage>.<microbatch>`,
+    overlapped pairs `F<s>.<m>&B<s>.<m>`."""
+    by_step = _cells(schedule)
+    steps = 1 + max(step for step, _ in by_step)
     cells = [["." for _ in range(steps)] for _ in range(schedule.num_ranks)]
-    for step, rank, action in order:
-        cells[rank][step] = str(action)
+    for (step, rank), actions in by_step.items():
+        cells[rank][step] = "&".join(map(str, actions))
     width = max(len(c) for row in cells for c in row)
     lines = [f"# {schedule.name}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
              f"{schedule.num_microbatches} microbatches (unit time per action)"]
@@ -24,8 +33,9 @@ def text_grid(schedule: Schedule) -> str:
 
 
 def svg(schedule: Schedule, cell: int = 34, row: int = 26) -> str:
-    order = run_order(schedule)
-    steps = 1 + max(step for step, _, _ in order)
+    by_step = _cells(schedule)
+    steps = 1 + max(step for step, _ in by_step)
+    cell *= max(len(actions) for actions in by_step.values())
     left, top = 60, 24
     width, height = left + steps * cell + 10, top + schedule.num_ranks * row + 10
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -34,10 +44,12 @@ def svg(schedule: Schedule, cell: int = 34, row: int = 26) -> str:
              f'{schedule.num_microbatches} microbatches</text>']
     for rank in range(schedule.num_ranks):
         parts.append(f'<text x="4" y="{top + rank * row + 16}">rank {rank}</text>')
-    for step, rank, action in order:
+    for (step, rank), actions in by_step.items():
         x, y = left + step * cell, top + rank * row
+        label = "&".join(map(str, actions))
+        fill = _COLORS[actions[0].kind] if len(actions) == 1 else _COLORS["pair"]
         parts.append(f'<rect x="{x}" y="{y}" width="{cell - 2}" height="{row - 4}" '
-                     f'fill="{_COLORS[action.kind]}"><title>{action}</title></rect>')
-        parts.append(f'<text x="{x + 3}" y="{y + 15}">{escape(str(action))}</text>')
+                     f'fill="{fill}"><title>{label}</title></rect>')
+        parts.append(f'<text x="{x + 3}" y="{y + 15}">{escape(label)}</text>')
     parts.append("</svg>")
     return "\n".join(parts) + "\n"

@@ -19,14 +19,17 @@ class Costs:
     I: float = 1.0  # noqa: E741 - the name is the action kind
     W: float = 1.0
     p2p: float = 0.0
+    FB: float | None = None  # an overlapped F&B pair; by default F + B (no gain from overlap)
 
-    def of(self, action: Action) -> float:
-        return getattr(self, action.kind)
+    def of(self, group: list[Action]) -> float:
+        if len(group) == 2:
+            return self.F + self.B if self.FB is None else self.FB
+        return getattr(self, group[0].kind)
 
 
 @dataclass
 class Simulation:
-    timelines: list[list[tuple[float, float, Action]]]  # per rank: (start, end, action)
+    timelines: list[list[tuple[float, float, Action]]]  # per rank: (start, end, action); a pair's share both
     makespan: float
     bubbles: list[float]            # per rank: makespan minus busy time
     bubble_fraction: float          # idle share of all ranks' time
@@ -36,35 +39,39 @@ class Simulation:
 def simulate(schedule: Schedule, costs: Costs | None = None) -> Simulation:
     costs = costs or Costs()
     finished: dict[tuple[str, int, int], tuple[float, int]] = {}  # event -> (end time, rank)
+    steps = [schedule.steps(rank) for rank in range(schedule.num_ranks)]
     free = [0.0] * schedule.num_ranks
+    busy = [0.0] * schedule.num_ranks
     position = [0] * schedule.num_ranks
     timelines: list[list[tuple[float, float, Action]]] = [[] for _ in range(schedule.num_ranks)]
-    remaining = sum(len(row) for row in schedule.actions)
+    remaining = sum(len(s) for s in steps)
     while remaining:
         best = None
-        for rank, row in enumerate(schedule.actions):
-            if position[rank] == len(row):
+        for rank, rank_steps in enumerate(steps):
+            if position[rank] == len(rank_steps):
                 continue
-            action = row[position[rank]]
-            deps = dependencies(action, schedule.num_stages)
+            group = rank_steps[position[rank]]
+            deps = [d for action in group for d in dependencies(action, schedule)]
             if not all(d in finished for d in deps):
                 continue
             start = max([free[rank]] + [finished[d][0] + (costs.p2p if finished[d][1] != rank else 0.0)
                                         for d in deps])
             if best is None or start < best[0]:
-                best = (start, rank, action)
+                best = (start, rank, group)
         if best is None:
             raise ScheduleError("the schedule deadlocks (see validate for the blocked actions)")
-        start, rank, action = best
-        end = start + costs.of(action)
-        timelines[rank].append((start, end, action))
-        for event in events(action):
-            finished[event] = (end, rank)
+        start, rank, group = best
+        end = start + costs.of(group)
+        for action in group:
+            timelines[rank].append((start, end, action))
+            for event in events(action):
+                finished[event] = (end, rank)
         free[rank] = end
+        busy[rank] += end - start
         position[rank] += 1
         remaining -= 1
     makespan = max(free)
-    bubbles = [makespan - sum(e - s for s, e, _ in line) for line in timelines]
+    bubbles = [makespan - b for b in busy]
     return Simulation(timelines, makespan, bubbles, sum(bubbles) / (makespan * schedule.num_ranks),
                       [_peak_live(line) for line in timelines])
 
