@@ -9,7 +9,8 @@
     ]
 
 `split` sets the microbatches, `place` puts a stage on a pipeline rank, `order`
-lists a rank's actions (`<kind><stage>.<microbatch>`, kinds F, B, I, W). The
+lists a rank's actions (`<kind><stage>.<microbatch>`, kinds F, B, I, W; an
+overlapped F&B pair as `F<s>.<m>&B<s>.<m>`). The
 result is a `schedules.Schedule`, validated like every preset. Piper's
 `replicate` and `shard` directives map to `options["zero"]` and mesh
 dimensions here and are refused in this list with a message saying so.
@@ -37,6 +38,7 @@ def schedule_from_directives(directives: Sequence[Any], pp: int) -> Schedule:
     microbatches = None
     placement: dict[int, int] = {}
     orders: dict[int, list[Action]] = {}
+    pairs: dict[int, set[int]] = {}
     for index, directive in enumerate(directives):
         if not isinstance(directive, dict) or len(directive) != 1:
             raise ValueError(f"directive {index} ({directive!r}) must be a dict with exactly one key")
@@ -47,7 +49,16 @@ def schedule_from_directives(directives: Sequence[Any], pp: int) -> Schedule:
         elif verb == "place":
             placement[body["stage"]] = body["rank"]
         elif verb == "order":
-            orders[body["rank"]] = [_action(a) for a in body["actions"]]
+            row, paired = [], set()
+            for text in body["actions"]:
+                parts = text.split("&") if isinstance(text, str) else [text]
+                if len(parts) == 2:
+                    paired.add(len(row))
+                elif len(parts) > 2:
+                    raise ValueError(f"{where}: {text!r} pairs more than two actions")
+                row += [_action(part) for part in parts]
+            orders[body["rank"]] = row
+            pairs[body["rank"]] = paired
         elif verb in ("replicate", "shard"):
             raise ValueError(f"{where}: use options['zero'] and options['mesh'] for data-parallel "
                              "replication and sharding; directives here describe the pipeline")
@@ -59,4 +70,4 @@ def schedule_from_directives(directives: Sequence[Any], pp: int) -> Schedule:
     if stages != list(range(len(stages))) or not stages:
         raise ValueError(f"'place' directives must place stages 0..S-1, got stages {stages}")
     return Schedule("directives", pp, microbatches, tuple(placement[s] for s in stages),
-                    [orders.get(rank, []) for rank in range(pp)])
+                    [orders.get(rank, []) for rank in range(pp)], pairs=[pairs.get(rank, set()) for rank in range(pp)])

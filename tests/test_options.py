@@ -172,3 +172,12 @@ def test_directives_and_pipeline_together_are_refused():
 def test_directives_build_a_validated_schedule():
     s = parse_options({"directives": ONE_RANK + [{"order": {"rank": 0, "actions": ["F0.0", "F0.1", "B0.1", "B0.0"]}}]})
     assert (s.microbatches, s.stages_per_rank, s.schedule.name) == (2, 1, "directives")
+
+
+def test_directives_write_overlapped_pairs_with_an_ampersand():
+    order = ["F0.0", "F0.1&B0.0", "B0.1"]
+    s = parse_options({"directives": ONE_RANK + [{"order": {"rank": 0, "actions": order}}]})
+    assert s.schedule.pairs == [{1}] and [len(g) for g in s.schedule.steps(0)] == [1, 2, 1]
+    waits = ["F0.0&B0.0", "F0.1", "B0.1"]
+    with pytest.raises(PiperConfigError, match=r"B0\.0 waits for F0\.0, so they cannot run overlapped"):
+        parse_options({"directives": ONE_RANK + [{"order": {"rank": 0, "actions": waits}}]})
