@@ -11,6 +11,8 @@ Each option maps onto the pass that consumes it:
 | zero         | prepare (layout), passes.unshard_parameters,             |
 |              | passes.reduce_gradients                                  |
 | bucket_mb    | collectives.bucketing (size cap of one flat bucket)      |
+| overlap      | passes.reorder_for_overlap (prefetch gathers, sink waits)|
+| prefetch     | passes.reorder_for_overlap (ZeRO-3 layers gathered ahead)|
 | codegen      | capture (decompositions), codegen                        |
 | debug_dir    | debug (dumps); env PIPER_DEBUG_DIR when not given        |
 
@@ -31,7 +33,8 @@ from .errors import PiperConfigError
 ZERO_LEVELS = (0, 1, 2, 3)
 CODEGENS = ("inductor", "eager")
 MESH_DIMS = ("pp", "dp")
-TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "codegen", "debug_dir", "pipeline", "directives")
+TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "overlap", "prefetch", "codegen", "debug_dir", "pipeline",
+                  "directives")
 PIPELINE_KEYS = ("schedule", "microbatches", "stages_per_rank")
 
 
@@ -43,6 +46,8 @@ class Strategy:
     pp: int = 1
     zero: int = 0
     bucket_mb: float = 25.0
+    overlap: bool = True
+    prefetch: int = 1
     codegen: str = "inductor"
     debug_dir: str | None = None
     world_size: int = 1
@@ -79,8 +84,8 @@ class Strategy:
         """What every rank must agree on (the debug directory may differ per rank)."""
         schedule = self.schedule if isinstance(self.schedule, str) else (
             self.schedule.name, self.schedule.stage_to_rank, tuple(tuple(map(str, row)) for row in self.schedule.actions))
-        return (self.dp, self.pp, self.zero, self.bucket_mb, self.codegen, schedule, self.microbatches,
-                self.stages_per_rank)
+        return (self.dp, self.pp, self.zero, self.bucket_mb, self.overlap, self.prefetch, self.codegen, schedule,
+                self.microbatches, self.stages_per_rank)
 
 
 def _is_int(value: Any) -> bool:
@@ -135,6 +140,13 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
     if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
         raise PiperConfigError("bucket_mb", bucket_mb, "a positive number of megabytes")
 
+    overlap = options.get("overlap", True)
+    if not isinstance(overlap, bool):
+        raise PiperConfigError("overlap", overlap, "True or False")
+    prefetch = options.get("prefetch", 1)
+    if not _is_int(prefetch) or prefetch < 0:
+        raise PiperConfigError("prefetch", prefetch, "an int >= 0: how many ZeRO-3 layers to gather ahead")
+
     codegen = options.get("codegen", "inductor")
     if codegen not in CODEGENS:
         raise PiperConfigError("codegen", codegen, f"one of {list(CODEGENS)}")
@@ -153,7 +165,7 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
     else:
         schedule, microbatches, stages_per_rank = _parse_pipeline(options.get("pipeline"), pp)
     return Strategy(
-        dp=dp, pp=pp, zero=zero, bucket_mb=float(bucket_mb), codegen=codegen,
+        dp=dp, pp=pp, zero=zero, bucket_mb=float(bucket_mb), overlap=overlap, prefetch=prefetch, codegen=codegen,
         debug_dir=os.fspath(debug_dir) if debug_dir is not None else None,
         world_size=world_size, rank=rank,
         schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,

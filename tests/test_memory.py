@@ -1,4 +1,4 @@
-"""ZeRO-3 keeps parameters sharded: at most one layer is gathered at a time."""
+"""ZeRO-3 keeps parameters sharded: one layer is gathered at a time, two when the next is prefetched."""
 from ranks import run_ranks
 from training import zero3_memory_worker
 
@@ -20,6 +20,13 @@ def test_zero3_peak_parameter_bytes_is_a_shard_plus_one_layer():
         assert m["peak_gathered"] <= m["largest_layer"] * LAYER_SLACK, (rank, m)
         assert m["worst_peak_gathered"] < m["all_params_padded"], (rank, m)
         assert peak_param_bytes <= m["full_bytes"] / world + padding + m["largest_layer"] * LAYER_SLACK, (rank, m)
+
+
+def test_zero3_prefetching_one_layer_holds_at_most_two():
+    world = 2
+    for rank, m in enumerate(run_ranks(zero3_memory_worker, world, 3, True, 4)):
+        assert m["largest_layer"] < m["peak_gathered"] <= 2 * m["largest_layer"] * LAYER_SLACK, (rank, m)
+        assert m["worst_peak_gathered"] < m["all_params_padded"] * 0.75, (rank, m)
 
 
 def test_zero2_gathers_every_parameter_for_the_whole_step():

@@ -48,9 +48,11 @@ def test_graph_starting_with_a_parameter_read(zero):
     assert max(run_ranks(first_op_reads_a_parameter_worker, 2, zero)) < 1e-6
 
 
-@pytest.mark.parametrize("zero", [0, 2, 3])
-def test_numerics_do_not_depend_on_bucket_size(zero):
+@pytest.mark.parametrize("zero, overlap", [(0, True), (2, True), (3, True), (3, False)])
+def test_numerics_do_not_depend_on_bucket_size_or_overlap(zero, overlap):
     from training import train_and_compare
-    # 2 KB buckets: several buckets per layer and step, against the default 25 MB (one per layer or step).
-    for run in run_ranks(train_and_compare, 2, {"zero": zero, "codegen": "eager", "bucket_mb": 0.002}, "sgd", 3):
+    # 2 KB buckets: several buckets per layer and step, against the default 25 MB (one per layer or step);
+    # with overlap, their gathers are prefetched and waits sunk, without, each waits where it is issued.
+    options = {"zero": zero, "codegen": "eager", "bucket_mb": 0.002, "overlap": overlap, "prefetch": 2}
+    for run in run_ranks(train_and_compare, 2, options, "sgd", 3):
         assert max(run["loss_errors"]) < LOSS_RTOL and max(run["param_errors"].values()) < SGD_PARAM_RTOL

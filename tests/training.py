@@ -110,12 +110,12 @@ def parity_worker(rank: int, world: int, options: dict, tied: bool) -> dict:
     return {name: train_and_compare(rank, world, options, name, tied=tied) for name in ("sgd", "adamw")}
 
 
-def zero3_memory_worker(rank: int, world: int, zero: int) -> dict:
+def zero3_memory_worker(rank: int, world: int, zero: int, overlap: bool = False, n_layer: int = 2) -> dict:
     """Peak bytes of gathered (full) parameters alive at once during one training step."""
     from piper_fx.runtime.executor import around_tasks
     from piper_fx.runtime.memory import LiveStorageBytes
 
-    cfg = GPTConfig(**SMALL)
+    cfg = GPTConfig(**{**SMALL, "n_layer": n_layer})
     torch.manual_seed(0)
     model = GPT(cfg)
     layers = [model.wte, model.wpe, *model.blocks, model.ln_f]
@@ -124,7 +124,8 @@ def zero3_memory_worker(rank: int, world: int, zero: int) -> dict:
     largest_layer = max(sum(padded(p) for p in layer.parameters()) for layer in layers)
     all_params = sum(padded(p) for p in model.parameters())
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    options = {"zero": zero, "codegen": "eager"}  # default 25 MB buckets: ZeRO-3 buckets are layers
+    # Default 25 MB buckets: ZeRO-3 buckets are layers. With overlap, one layer is prefetched.
+    options = {"zero": zero, "codegen": "eager", "overlap": overlap, "prefetch": 1}
     piper_fx.prepare(model, options)
     step = torch.compile(model, backend="piper", options=options)
     x, y = global_batch(0, 2 * world, cfg)

@@ -15,6 +15,7 @@ from .build_rank_programs import build_rank_programs
 from .choose_schedule import choose_schedule
 from .propagate_placements import propagate_placements
 from .reduce_gradients import reduce_gradients
+from .reorder_for_overlap import reorder_for_overlap
 from .split_backward import split_backward
 from .split_stages import split_stages
 from .unshard_parameters import unshard_parameters
@@ -29,6 +30,7 @@ PIPELINE: tuple[Pass, ...] = (
     split_stages,            # joint graph -> per stage: F and B tasks, P/E for once-per-step ops
     split_backward,          # zero-bubble schedules: B -> I (input grads) and W (weight grads)
     bucket_collectives,      # per task: adjacent collectives -> buckets of at most bucket_mb
+    reorder_for_overlap,     # per task: waits sunk to first use, ZeRO-3 gathers prefetched
     build_rank_programs,     # schedule + tasks -> each rank's program (with send/recv)
 )
 
