@@ -7,6 +7,8 @@ Layout under `debug_dir` (option, or env PIPER_DEBUG_DIR):
   rank{r}/graph{g}/placement_table.txt     DTensor-style spec of every node
   rank{r}/graph{g}/program.txt             this rank's program: tasks, values, collectives
   rank{r}/graph{g}/codegen/<task>.py       the code each task runs (Inductor output or FX)
+  rank{r}/graph{g}/trace.json              a step as a Chrome / Perfetto trace (the second
+                                           step run, or the first if only one ran)
 `g` counts the graphs this process compiled (a recompile is a new graph).
 """
 from __future__ import annotations

@@ -103,6 +103,7 @@ class Send:
     microbatch: int | None
     peer: int
     tag: int
+    nbytes: int = 0
 
     def __str__(self) -> str:
         return f"send  {self.value}{_mb(self.microbatch)} -> rank {self.peer} (tag {self.tag})"
@@ -129,6 +130,21 @@ class Recv:
 
 
 Instruction = Union[Run, Send, Recv]
+
+_COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+                     "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
+                     "all_to_all_single": "all_to_all"}
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """`all_gather`, `reduce_scatter`, `all_reduce` or `all_to_all` for a functional collective's node."""
+    if node.op != "call_function" or getattr(node.target, "namespace", "") != "_c10d_functional":
+        return None
+    return _COLLECTIVE_KINDS.get(node.target.__name__.split(".")[0])
+
+
+def _nbytes(val) -> int:
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
 def _mb(microbatch: int | None) -> str:
@@ -157,6 +173,24 @@ class RankProgram:
 
     def key(self, name: str, microbatch: int | None) -> tuple[str, int | None]:
         return (name, None) if name in self.per_step else (name, microbatch)
+
+    def communication_bytes(self) -> dict[str, int]:
+        """Bytes this rank contributes per step, per collective kind and to point-to-point sends."""
+        per_task: dict[str, dict[str, int]] = {}
+        for task in self.tasks.values():
+            counts = per_task.setdefault(task.name, {})
+            for node in task.graph.graph.nodes:
+                kind = collective_kind(node)
+                if kind is not None:
+                    counts[kind] = counts.get(kind, 0) + _nbytes(node.args[0].meta["val"])
+        total: dict[str, int] = {}
+        for instruction in self.instructions:
+            if isinstance(instruction, Run):
+                for kind, nbytes in per_task[instruction.task].items():
+                    total[kind] = total.get(kind, 0) + nbytes
+            elif isinstance(instruction, Send):
+                total["send"] = total.get("send", 0) + instruction.nbytes
+        return total
 
     def render(self) -> str:
         lines = [f"# rank {self.rank}: {len(self.instructions)} instructions, "

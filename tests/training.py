@@ -294,3 +294,21 @@ def plan_all_ranks(options: dict, world: int, n_layer: int, batch_rows: int) -> 
         return programs, time.monotonic() - start
     finally:
         dist.destroy_process_group()
+
+
+def stats_worker(rank: int, world: int, options: dict, steps: int = 3) -> dict:
+    """`last_step_stats()` after each of a few steps, with the model's parameter bytes."""
+    cfg = GPTConfig(**SMALL)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    piper_fx.prepare(model, options)
+    shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    step = torch.compile(model, backend="piper", options=options)
+    stats = []
+    for i in range(steps):
+        x, y = global_batch(i, 2 * world, cfg)
+        step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        stats.append(piper_fx.last_step_stats())
+    return {"stats": stats, "param_bytes": param_bytes, "shard_bytes": shard_bytes,
+            "trace": piper_fx.last_step_trace()}

@@ -6,10 +6,12 @@ The FX graph cache (TORCHINDUCTOR_CACHE_DIR) is shared across ranks and runs.
 """
 from __future__ import annotations
 
+import torch
 from torch._guards import TracingContext, tracing
 from torch._inductor.compile_fx import compile_fx_inner
 
 from ..ir import Task
+from ..runtime.timing import WaitTimer
 
 
 def _fake_inputs(task: Task) -> list:
@@ -22,4 +24,13 @@ def compile_task(task: Task):
     with tracing(TracingContext(fake_mode)):
         compiled = compile_fx_inner(task.graph, example_inputs)
     source = getattr(compiled, "source_code", None) or task.graph.code
+    if task.graph.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.wait_tensor.default):
+        return _timing_waits(compiled), source
     return compiled, source
+
+
+def _timing_waits(compiled):
+    def run(args: list):
+        with WaitTimer():
+            return compiled(args)
+    return run

@@ -77,6 +77,10 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     def global_rank(pp_rank: int) -> int:
         return pp_rank * strategy.dp + strategy.dp_index
 
+    def nbytes(name: str) -> int:
+        val = joint_nodes[name].meta["val"]
+        return val.numel() * val.element_size()
+
     def recv(name: str, microbatch: int | None, peer: int, tag_: int, accumulate: bool = False) -> Recv:
         val = joint_nodes[name].meta["val"]
         return Recv(name, microbatch, global_rank(peer), tag_, tuple(val.shape), val.dtype, accumulate)
@@ -120,7 +124,7 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
                                         else ranks_running(reader.stage)):
                         if reader_rank != pp_rank and source_rank(task, m, reader_rank) == pp_rank:
                             peers.add(reader_rank)
-                out.extend(Send(name, m, global_rank(p), tag(name, m)) for p in sorted(peers))
+                out.extend(Send(name, m, global_rank(p), tag(name, m), nbytes(name)) for p in sorted(peers))
             return out
 
         # Each schedule step (an action or an overlapped pair, with the stage's
@@ -160,7 +164,7 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
         for i, name in enumerate(shared_order):
             producers = ranks_running(producer[name].stage)
             if pp_rank in producers:
-                instructions += [Send(name, None, global_rank(p), final_tag + i)
+                instructions += [Send(name, None, global_rank(p), final_tag + i, nbytes(name))
                                  for p in shared[name] if p != pp_rank]
         for i, name in enumerate(shared_order):
             if pp_rank in shared[name]:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..ir import RankProgram, Recv, Run, Send
+from .timing import COMM_WAIT, COMPUTE, StepTimeline, recording
 
 # Context managers entered around every task run, e.g. a dispatch mode that
 # measures memory. Entered here, inside the compiled step, because Dynamo runs
@@ -60,23 +61,40 @@ class _Receiving:
         self.buffer = torch.empty(instruction.shape, dtype=instruction.dtype)
         self.work = dist.irecv(self.buffer, src=instruction.peer, tag=instruction.tag)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, timeline: StepTimeline) -> torch.Tensor:
         try:
-            self.work.wait()
+            with timeline.span(f"recv {self.instruction.value}", COMM_WAIT):
+                self.work.wait()
         except Exception as e:
             raise RuntimeError(f"piper_fx rank {self.rank}: receiving {self.instruction.value} from rank "
                                f"{self.instruction.peer} failed: {e}") from e
         return self.buffer
 
 
-_last_stats: dict[str, int] = {}
+_last_stats: dict = {}
+_last_timeline: list[StepTimeline | None] = [None]
 
 
-def last_step_stats() -> dict[str, int]:
-    """Stats of the last program this process ran: `peak_activation_bytes`, the
-    most bytes of per-microbatch values the program made (activations saved
-    for backward, received tensors) held at once, and `instructions`."""
+def last_step_stats() -> dict:
+    """Stats of the last step (program run) on this rank:
+
+    - `step_s`: wall time of the program; `compute_s`: time in tasks, less the
+      collective waits inside them; `comm_wait_s`: time blocked on
+      communication (receives, collectives' waits, sends at the end), i.e. the
+      exposed communication, and `exposed_comm_fraction` = comm_wait_s / step_s;
+    - `comm_bytes`: bytes this rank contributes per collective kind
+      (`all_gather`, `reduce_scatter`, `all_reduce`, `all_to_all`) and sent
+      point to point (`send`);
+    - `peak_activation_bytes`: the most bytes of per-microbatch values the
+      program made (activations saved for backward, received tensors) held at once;
+    - `instructions`: the program's length.
+    """
     return dict(_last_stats)
+
+
+def last_step_trace() -> dict:
+    """The last step on this rank as a Chrome / Perfetto trace (a JSON-able dict)."""
+    return _last_timeline[0].chrome_trace() if _last_timeline[0] is not None else {"traceEvents": []}
 
 
 class ProgramExecutor:
@@ -97,13 +115,23 @@ class ProgramExecutor:
 
     def run(self, values: dict[Key, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Run every instruction; `values` holds the program inputs and is consumed."""
+        timeline = StepTimeline(self.program.rank)
+        with recording(timeline):
+            results, peak = self._run(values, timeline)
+        _last_timeline[0] = timeline
+        _last_stats.clear()
+        _last_stats.update(timeline.stats(), comm_bytes=self.program.communication_bytes(),
+                           peak_activation_bytes=peak, instructions=len(self.program.instructions))
+        return results
+
+    def _run(self, values: dict[Key, torch.Tensor], timeline: StepTimeline):
         program = self.program
         pending_sends: list[dist.Work] = []
         receiving: dict[Key, list[_Receiving]] = {}  # posted receives, completed by the value's first reader
 
         def arrive(key: Key) -> None:
             for posted in receiving.pop(key, ()):
-                buffer = posted.wait()
+                buffer = posted.wait(timeline)
                 held = values.get(key) if posted.instruction.accumulate else None
                 values[key] = buffer if held is None else held + buffer
 
@@ -114,7 +142,8 @@ class ProgramExecutor:
                 for key in _reads(program, instruction):
                     arrive(key)
             if isinstance(instruction, Run):
-                self._run_task(instruction, values, index)
+                with timeline.span(str(instruction).split()[-1], COMPUTE):
+                    self._run_task(instruction, values, index)
             elif isinstance(instruction, Send):
                 tensor = values[program.key(instruction.value, instruction.microbatch)]
                 pending_sends.append(dist.isend(tensor.contiguous(), dst=instruction.peer, tag=instruction.tag))
@@ -128,11 +157,10 @@ class ProgramExecutor:
                 values.pop(key, None)
         for key in list(receiving):
             arrive(key)
-        for work in pending_sends:
-            work.wait()
-        _last_stats.clear()
-        _last_stats.update(peak_activation_bytes=peak, instructions=len(program.instructions))
-        return {name: values[(name, None)] for name in program.outputs if (name, None) in values}
+        with timeline.span("sends in flight", COMM_WAIT):
+            for work in pending_sends:
+                work.wait()
+        return {name: values[(name, None)] for name in program.outputs if (name, None) in values}, peak
 
     def _run_task(self, instruction: Run, values: dict[Key, torch.Tensor], index: int) -> None:
         program = self.program

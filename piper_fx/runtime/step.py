@@ -16,16 +16,23 @@ from typing import Sequence
 
 import torch
 
+import json
+
+from ..debug import DebugDump
 from ..errors import PiperError
 from ..ir import GraphInput, GraphOutput, InputRole, OutputRole
-from .executor import ProgramExecutor
+from .executor import ProgramExecutor, last_step_trace
+
+TRACED_STEPS = 2  # the first steps' traces go to the dumps; the second (warm) one stays
 
 
 class CompiledStep:
     def __init__(self, executor: ProgramExecutor, inputs: Sequence[GraphInput], outputs: Sequence[GraphOutput],
                  seed_shape: torch.Size | None, seed_dtype: torch.dtype | None, num_user_outputs: int,
-                 batch_shapes: dict[int, tuple[int, ...]]):
+                 batch_shapes: dict[int, tuple[int, ...]], dump: DebugDump | None = None):
         self.executor = executor
+        self.dump = dump
+        self.steps_run = 0
         # The program is compiled for these argument shapes; with a pipeline
         # Dynamo sees the batch size as symbolic and would not recompile for another.
         self.batch_shapes = batch_shapes
@@ -63,6 +70,9 @@ class CompiledStep:
             else:
                 values[(graph_input.name, None)] = args[graph_input.arg_index]
         results = self.executor.run(values)
+        self.steps_run += 1
+        if self.dump is not None and self.dump.enabled and self.steps_run <= TRACED_STEPS:
+            self.dump.write("trace.json", json.dumps(last_step_trace()))
         user_outputs: list[torch.Tensor | None] = [None] * self.num_user_outputs
         grads: dict[int, torch.Tensor] = {}
         for out in self.outputs:

@@ -1,0 +1,40 @@
+"""Runtime stats and traces: where a step's time goes, and what each rank sends."""
+import json
+
+import pytest
+
+from ranks import run_ranks
+from training import stats_worker
+
+
+def _check_times(stats):
+    assert stats["step_s"] > 0 and stats["compute_s"] > 0 and stats["comm_wait_s"] >= 0, stats
+    # Compute and waits are disjoint parts of the step (the rest is the runtime's own bookkeeping).
+    assert stats["compute_s"] + stats["comm_wait_s"] <= stats["step_s"] * 1.001, stats
+    assert stats["exposed_comm_fraction"] == pytest.approx(stats["comm_wait_s"] / stats["step_s"])
+
+
+def test_ddp_all_reduces_every_gradient_byte_once_per_step():
+    for run in run_ranks(stats_worker, 2, {"codegen": "eager"}):
+        for stats in run["stats"]:
+            _check_times(stats)
+            assert stats["comm_bytes"] == {"all_reduce": run["param_bytes"]}, stats
+
+
+def test_zero3_stats_count_gathers_in_forward_and_backward_and_the_trace_is_written(tmp_path):
+    options = {"zero": 3, "codegen": "eager", "debug_dir": str(tmp_path)}
+    for rank, run in enumerate(run_ranks(stats_worker, 2, options)):
+        for stats in run["stats"]:
+            _check_times(stats)
+            # Every shard is gathered at least twice a step (for forward and again for backward) and
+            # every gradient is reduce-scattered (from full, row-padded gradients).
+            assert stats["comm_bytes"]["all_gather"] >= 2 * run["shard_bytes"], (stats, run["shard_bytes"])
+            assert stats["comm_bytes"]["reduce_scatter"] >= run["param_bytes"], stats
+            assert stats["comm_wait_s"] > 0, stats  # gathers are waited for, at least the first
+        (graph_dir,) = (tmp_path / f"rank{rank}").iterdir()
+        trace = json.loads((graph_dir / "trace.json").read_text())
+        for events in (trace["traceEvents"], run["trace"]["traceEvents"]):
+            spans = [e for e in events if e["ph"] == "X"]
+            assert {e["name"] for e in spans if e["cat"] == "compute"} == {"F0.0", "B0.0"}  # as in the schedule
+            assert any(e["cat"] == "comm wait" and e["name"] == "wait_tensor" for e in spans)
+            assert {e["pid"] for e in spans} == {rank}
