@@ -22,7 +22,7 @@ test: venv
 	$(PY) -m pytest -q tests
 
 demo: venv
-	$(PY) examples/train_gpt.py --nproc 2 --strategy examples/strategies/zero3.json --steps 300 --debug-dir piper_debug
+	$(PY) examples/train_gpt.py --nproc 4 --strategy examples/strategies/pp2_dp2_zero3_1f1b.json --steps 300 --debug-dir piper_debug
 
 clean:
 	rm -rf piper_debug .pytest_cache

@@ -1,12 +1,17 @@
 """Train the example GPT on a docstring corpus with a piper_fx strategy.
 
-    python examples/train_gpt.py --nproc 2 --strategy examples/strategies/zero3.json --steps 300
+    python examples/train_gpt.py                  # 4 ranks: pp=2 x dp=2, ZeRO-3, 1F1B
+    python examples/train_gpt.py --nproc 2 --strategy examples/strategies/pp2_dualpipev.json
     torchrun --nproc-per-node 2 examples/train_gpt.py --strategy examples/strategies/zero3.json
 
 Run plainly, it spawns `--nproc` ranks itself (gloo, file rendezvous); under
 torchrun (RANK and WORLD_SIZE set) it is one rank. Each rank trains on its
-data-parallel shard of the global batch; rank 0 reports the loss averaged over
-ranks, and at the end samples text from the gathered weights in a plain
+data-parallel shard of the global batch (pipelines split it further into
+microbatches, one `piper_fx.annotate("PP")` region per transformer block);
+rank 0 reports the loss averaged over ranks, then a summary per rank (step
+time, compute, exposed communication, bytes per collective, peak memory),
+writes the ranks' merged Chrome trace of the last step to the debug
+directory, and samples text from the gathered weights in a plain
 single-process GPT, outside piper_fx.
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor_cache"))
 
 import argparse
 import json
+import resource
 import statistics
 import tempfile
 import time
@@ -56,10 +62,13 @@ def positive_int(text: str) -> int:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=positive_int, default=2,
+    parser.add_argument("--nproc", type=positive_int, default=4,
                         help="ranks to spawn (ignored under torchrun, which sets the world size)")
-    parser.add_argument("--strategy", type=Path, default=ROOT / "examples" / "strategies" / "zero3.json",
-                        help="JSON file of piper_fx options")
+    parser.add_argument("--strategy", type=Path,
+                        default=ROOT / "examples" / "strategies" / "pp2_dp2_zero3_1f1b.json",
+                        help="JSON file of piper_fx options (examples/strategies/ has one per preset)")
+    parser.add_argument("--n-layer", type=positive_int, default=2,
+                        help="transformer blocks (raised to the number of pipeline stages)")
     parser.add_argument("--steps", type=positive_int, default=300)
     parser.add_argument("--debug-dir", default="piper_debug", help="where piper_fx writes its debug dumps")
     parser.add_argument("--codegen", choices=["inductor", "eager"], help="overrides the strategy's codegen")
@@ -71,7 +80,8 @@ def parse_args() -> argparse.Namespace:
 def strategy_options(args: argparse.Namespace, world_size: int) -> dict:
     """The strategy file's options, completed by the command line."""
     options = json.loads(args.strategy.read_text())
-    options.setdefault("mesh", {}).setdefault("dp", world_size)
+    mesh = options.setdefault("mesh", {})
+    mesh.setdefault("dp", world_size // mesh.get("pp", 1))
     if args.codegen is not None:
         options["codegen"] = args.codegen
     options["debug_dir"] = os.path.abspath(args.debug_dir)
@@ -116,9 +126,14 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     options = strategy_options(args, world_size)
     strategy = piper_fx.parse_options(options)
 
-    cfg = GPTConfig(vocab_size=len(tokenizer), block_size=args.block_size, n_layer=2, n_head=4, n_embd=64)
+    # One PP region per block, so each stage of the pipeline holds whole blocks.
+    stages = strategy.pp * strategy.stages_per_rank
+    cfg = GPTConfig(vocab_size=len(tokenizer), block_size=args.block_size, n_layer=max(args.n_layer, stages),
+                    n_head=4, n_embd=64)
     torch.manual_seed(0)  # every rank builds the same initial weights
     model = GPT(cfg)
+    if strategy.pp > 1:
+        model.block_context = lambda: piper_fx.annotate("PP")
     piper_fx.prepare(model, options)
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     step = torch.compile(model, backend="piper", options=options)
@@ -127,6 +142,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
         print(f"{world_size} ranks, options {options}\ncorpus {len(text)} chars, vocab {len(tokenizer)}, "
               f"global batch {args.batch_size} x {args.block_size} tokens", flush=True)
     losses: list[float] = []
+    step_stats: list[dict] = []
     start = last_time = time.perf_counter()
     last_step = 0
     for i in range(args.steps):
@@ -141,6 +157,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         losses.append(mean_loss.item() / world_size)
+        step_stats.append(piper_fx.last_step_stats())
         done = i + 1
         if done == 1:
             first_step_s = time.perf_counter() - start
@@ -154,8 +171,19 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     total_s = time.perf_counter() - start
 
     state = piper_fx.full_state_dict(model)  # collective: every rank takes part
+    summaries: list = [None] * world_size
+    dist.all_gather_object(summaries, rank_summary(rank, strategy, step_stats[1:] or step_stats))
+    traces: list = [None] * world_size
+    dist.all_gather_object(traces, piper_fx.last_step_trace())
     if rank != 0:
         return
+    print_summary(summaries, args.batch_size * args.block_size)
+    trace_path = Path(options["debug_dir"]) / "trace.json"
+    trace_path.write_text(json.dumps({"traceEvents": [e for t in traces for e in t["traceEvents"]]}))
+    print(f"trace of the last step, all ranks: {trace_path} (open in ui.perfetto.dev or chrome://tracing)")
+    pictures = sorted(Path(options["debug_dir"]).glob("rank0/graph*/schedule.svg"))
+    if strategy.pp > 1 and pictures:
+        print(f"schedule picture: {pictures[-1]}")
     window = max(1, min(LOSS_WINDOW, args.steps // 2))
     print(f"mean loss: first {window} steps {statistics.fmean(losses[:window]):.4f} -> "
           f"last {window} steps {statistics.fmean(losses[-window:]):.4f}")
@@ -167,6 +195,30 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     print(f"gathered weights in a single-process GPT: loss {eval_loss(state, cfg, x, y):.4f} on an unseen batch")
     text = tokenizer.decode(sample(state, cfg, tokenizer, tokenizer.encode(SAMPLE_PROMPT), SAMPLE_CHARS))
     print(f"sample (temperature {SAMPLE_TEMPERATURE}):\n{text}", flush=True)
+
+
+def rank_summary(rank: int, strategy, stats: list[dict]) -> dict:
+    """Medians of this rank's step stats (after the first, compiling, step) and its peak memory."""
+    def median(key: str) -> float:
+        return statistics.median(s[key] for s in stats)
+    return {"rank": rank, "pp": strategy.pp_index, "dp": strategy.dp_index, "step_s": median("step_s"),
+            "compute_s": median("compute_s"), "comm_wait_s": median("comm_wait_s"),
+            "exposed": median("exposed_comm_fraction"), "comm_bytes": stats[-1]["comm_bytes"],
+            "peak_activation_bytes": max(s["peak_activation_bytes"] for s in stats),
+            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def print_summary(summaries: list[dict], tokens_per_step: int) -> None:
+    slowest = max(s["step_s"] for s in summaries)
+    print(f"summary (medians over steps after the first): {tokens_per_step / slowest:.0f} tokens/s "
+          f"at {slowest * 1000:.1f} ms/step (the slowest rank's program)")
+    print(f"{'rank':>4} {'pp':>3} {'dp':>3} {'step ms':>8} {'compute ms':>11} {'comm wait ms':>13} "
+          f"{'exposed':>8} {'activations KB':>15} {'max RSS MB':>11}  bytes per step")
+    for s in summaries:
+        sent = ", ".join(f"{kind} {nbytes / 1024:.0f} KB" for kind, nbytes in sorted(s["comm_bytes"].items()))
+        print(f"{s['rank']:4d} {s['pp']:3d} {s['dp']:3d} {s['step_s'] * 1e3:8.1f} {s['compute_s'] * 1e3:11.1f} "
+              f"{s['comm_wait_s'] * 1e3:13.1f} {s['exposed']:8.0%} {s['peak_activation_bytes'] / 1024:15.0f} "
+              f"{s['max_rss_mb']:11.0f}  {sent}")
 
 
 def run_rank(rank: int, world_size: int, init_method: str, args: argparse.Namespace) -> None:
