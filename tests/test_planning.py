@@ -60,16 +60,17 @@ NONE = {"all_gather_into_tensor": 0, "reduce_scatter_tensor": 0, "all_reduce": 0
 PARAMS, USES = 28, 29  # wte (tied with lm_head: used by two modules), wpe, 12 per block, ln_f
 
 
-def test_ddp_all_reduces_each_gradient_once_per_step(plans):
-    assert set(plans[0]) == {"F0", "B0", "E0"}
-    assert _counts(plans[0]["F0"]) == _counts(plans[0]["B0"]) == NONE
-    assert _counts(plans[0]["E0"]) == {**NONE, "all_reduce": PARAMS}
+def test_ddp_all_reduces_each_gradient_once_per_step_in_the_backward(plans):
+    # One microbatch: as DDP, each gradient is reduced in the backward, overlapping the rest of it.
+    assert set(plans[0]) == {"F0", "B0"}
+    assert _counts(plans[0]["F0"]) == NONE
+    assert _counts(plans[0]["B0"]) == {**NONE, "all_reduce": PARAMS}
 
 
 def test_zero1_gathers_once_per_step_and_all_reduces_once_per_step(plans):
     assert _counts(plans[1]["P0"]) == {**NONE, "all_gather_into_tensor": PARAMS}
-    assert _counts(plans[1]["F0"]) == _counts(plans[1]["B0"]) == NONE
-    assert _counts(plans[1]["E0"]) == {**NONE, "all_reduce": USES}
+    assert _counts(plans[1]["F0"]) == NONE
+    assert _counts(plans[1]["B0"]) == {**NONE, "all_reduce": USES}
 
 
 def test_zero2_gathers_once_per_step_and_reduce_scatters_in_backward(plans):
@@ -160,3 +161,20 @@ def test_overlap_prefetches_each_layers_gather_during_the_previous_layer():
     # Forward: the 4 blocks' and the final layer norm's gathers each run during the layer before;
     # backward: the blocks' gathers, in reverse, likewise.
     assert on["F0"] >= 4 and on["B0"] >= 4, on
+
+
+def _ddp_reductions_by_task(microbatches: int) -> dict:
+    from training import plan_all_ranks
+
+    options = {"codegen": "eager", "bucket_mb": 1e-9, "pipeline": {"microbatches": microbatches}}
+    programs, _ = plan_all_ranks(options, world=2, n_layer=2, batch_rows=4)
+    return {name: _counts(ops)["all_reduce"]
+            for name, ops in _collectives_by_task(programs[0].render()).items()}
+
+
+def test_ddp_with_microbatches_reduces_the_summed_gradient_once_at_the_end():
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        one, two = pool.map(_ddp_reductions_by_task, (1, 2))
+    untied = PARAMS + 1  # plan_all_ranks' GPT has its own lm_head weight
+    assert one == {"F0": 0, "B0": untied}  # in the backward, as each gradient completes
+    assert two == {"F0": 0, "B0": 0, "E0": untied}  # no_sync, then once on the sum

@@ -8,9 +8,12 @@ and no `piper::reduce_grad` node remains:
   - ZeRO-0 (DDP): all-reduce(avg) of the full gradient;
   - ZeRO-1: all-reduce(avg) of the full gradient, then this rank's row shard;
   - ZeRO-2/3: reduce-scatter(avg) straight into the row shard.
-ZeRO-0/1 reductions are marked to run once per step on the gradient summed
-over microbatches (as DDP under `no_sync` then a final step); ZeRO-2/3
-reduce-scatter each microbatch's gradient where it is complete. The order is
+With several microbatches, ZeRO-0/1 reductions are marked to run once per
+step on the gradient summed over microbatches (as DDP under `no_sync` then a
+final step); with one, they run in the backward where each gradient is
+complete (as DDP's bucketed all-reduce during backward), so they overlap the
+rest of the backward. ZeRO-2/3 reduce-scatter each microbatch's gradient where
+it is complete. The order is
 the backward order, the same on every rank (the graph is the same), so ranks
 agree on the order of collectives.
 """
@@ -43,13 +46,18 @@ def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:
             kind = "reduce_scatter"
         # ZeRO-1 reduces the step's summed gradient once; ZeRO-2/3 reduce-scatter
         # every microbatch's, so no full gradient outlives its microbatch.
-        phase = {PHASE: STEP_END} if strategy.zero == 1 else {}
+        phase = _once_per_step(strategy) if strategy.zero == 1 else {}
         reduced = insert_traced(graph, fn, [marker.args[0]], before=marker, like=marker,
                                 decompositions=decompositions_for(strategy),
                                 meta={"piper_comm": f"{kind} grad", **phase})
         marker.replace_all_uses_with(reduced)
         graph.erase_node(marker)
     dag.refresh_output_names()
+
+
+def _once_per_step(strategy: Strategy) -> dict:
+    """Metadata deferring a reduction to the step's end when gradients accumulate over microbatches."""
+    return {PHASE: STEP_END} if strategy.microbatches > 1 else {}
 
 
 def _all_reduce_full_gradients(dag: TrainingDAG, strategy: Strategy) -> None:
@@ -63,7 +71,7 @@ def _all_reduce_full_gradients(dag: TrainingDAG, strategy: Strategy) -> None:
         if source is not None and source.role is InputRole.PARAM:
             node = insert_traced(graph, functools.partial(all_reduce_mean, group_name=dag.dp_group), [node],
                                  before=node.next, like=node, decompositions=decompositions_for(strategy),
-                                 meta={"piper_comm": f"all_reduce grad {source.fqn}", PHASE: STEP_END})
+                                 meta={"piper_comm": f"all_reduce grad {source.fqn}", **_once_per_step(strategy)})
         new_outputs.append(node)
     dag.set_outputs(new_outputs)
 
