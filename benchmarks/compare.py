@@ -4,7 +4,11 @@
 
 Spawns the ranks (gloo on CPU), trains the example GPT with each pair on the
 same data from the same initial weights, and prints median step times, the
-piper_fx / native ratio, and the loss after the last step (which must match).
+piper_fx / native ratio, tokens/s, peak tensor memory (parameters, gradients,
+optimizer state and the most a step allocates above them, from the profiler's
+memory events) and peak RSS per rank, compile time (first step with a cold
+Inductor cache, and again in a fresh Dynamo with the cache warm), and the loss
+after the last step (which must match).
 Pairs: ZeRO-0 vs DDP (with torch.compile), ZeRO-3 vs FSDP2 `fully_shard`,
 ZeRO-2 vs FSDP2 with `reshard_after_forward=False`, and each pipeline schedule
 (gpipe, 1f1b, interleaved_1f1b, zbv, dualpipev) vs torch.distributed.pipelining's
@@ -46,33 +50,100 @@ def batch(step: int, rows: int):
     return x, torch.roll(x, -1, dims=1)
 
 
-def train(make_step, steps: int, rank: int, world: int, per_rank: int, cfg: GPTConfig = CFG, dp: int | None = None):
-    """Median step time (s) after warm-up, and the last loss averaged over ranks.
+def _resident_bytes(params, opt) -> int:
+    """Bytes of the distinct storages of parameters, gradients and optimizer state."""
+    tensors = [p for p in params] + [p.grad for p in params if p.grad is not None]
+    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    storages = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensors: this rank's shard
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def _peak_allocated_bytes(run) -> int:
+    """Most bytes allocated above the starting point while `run()` runs (profiler memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    deltas = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
+    current = peak = 0
+    for _, delta in deltas:
+        current += delta
+        peak = max(peak, current)
+    return peak
+
+
+def _reset_peak_rss() -> None:
+    try:  # Linux: resets VmHWM to the current RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM"))
+    return int(line.split()[1]) / 1024
+
+
+def train(make_step, steps: int, rank: int, world: int, per_rank: int, cfg: GPTConfig = CFG,
+          dp: int | None = None, cache_dir: str | None = None) -> dict:
+    """One side of a pair on this rank: median step time (s) after warm-up, the last loss
+    averaged over ranks, compile times (the first step, with a cold Inductor cache in
+    `cache_dir`, then again in a fresh Dynamo with the cache warm), peak tensor bytes
+    (parameters, gradients and optimizer state, plus the most a step allocates on top)
+    and peak RSS.
 
     The global batch has `per_rank * world` rows; each of the `dp` data-parallel
     replicas (all ranks by default; 1 for a pipeline over all ranks) gets its share.
     A step whose loss needs no backward ran its backward itself (a pipeline schedule)."""
     dp = world if dp is None else dp
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    step, params = make_step(model)
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    times, loss = [], None
-    for i in range(WARMUP + steps):
+    if cache_dir is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    _reset_peak_rss()
+
+    def build():
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        step, params = make_step(model)
+        params = list(params)
+        return step, params, torch.optim.AdamW(params, lr=1e-3)
+
+    def one_step(step, opt, i):
         x, y = batch(i, per_rank * world)
         x, y = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
-        dist.barrier()
-        start = time.perf_counter()
         loss = step(x, y)
         if loss.requires_grad:
             loss.backward()
         opt.step()
         opt.zero_grad()
+        return loss
+
+    step, params, opt = build()
+    times, loss, compile_s = [], None, 0.0
+    for i in range(WARMUP + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        loss = one_step(step, opt, i)
+        if i == 0:
+            compile_s = time.perf_counter() - start
         if i >= WARMUP:
             times.append(time.perf_counter() - start)
     loss = loss.detach().clone()
     dist.all_reduce(loss)
-    return statistics.median(times), loss.item() / world
+    dist.barrier()
+    peak = _resident_bytes(params, opt) + _peak_allocated_bytes(lambda: one_step(step, opt, WARMUP + steps))
+    rss = _peak_rss_mb()
+    step, params, opt = build()  # the same again in a fresh Dynamo: Inductor's cache is warm now
+    dist.barrier()
+    start = time.perf_counter()
+    one_step(step, opt, 0)
+    warm_s = time.perf_counter() - start
+    return {"step_s": statistics.median(times), "loss": loss.item() / world, "cold_s": compile_s,
+            "warm_s": warm_s, "peak_bytes": peak, "rss_mb": rss}
 
 
 def piper(options):
@@ -198,15 +269,34 @@ def run(rank: int, world: int, init_file: str, args, results) -> None:
         pairs.append((f"{schedule} vs pipelining", piper_pipeline(schedule, microbatches, args.codegen),
                       pipelining(schedule, microbatches), cfg, 1))
     rows = []
-    for name, ours, theirs, cfg, dp in pairs:
+    for index, (name, ours, theirs, cfg, dp) in enumerate(pairs):
         if args.only and not any(word in name for word in args.only):
             continue
-        ours_time, ours_loss = train(ours, args.steps, rank, world, args.per_rank_batch, cfg, dp)
-        theirs_time, theirs_loss = train(theirs, args.steps, rank, world, args.per_rank_batch, cfg, dp)
-        rows.append((name, ours_time, theirs_time, ours_loss, theirs_loss))
+        sides = []
+        for side, make in (("piper", ours), ("native", theirs)):
+            cache = os.path.join(args.cache_root, f"pair{index}_{side}")  # a cold cache per side
+            measured = train(make, args.steps, rank, world, args.per_rank_batch, cfg, dp, cache)
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, measured)
+            sides.append({key: max(m[key] for m in everyone) for key in measured})  # the slowest / largest rank
+        rows.append((name, *sides))
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()
+
+
+def _results_or_failure(results, procs):
+    """Rank 0's rows; if a rank dies first, stop the others and say which."""
+    import queue
+    while True:
+        try:
+            return results.get(timeout=5)
+        except queue.Empty:
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                for p in procs:
+                    p.terminate()
+                sys.exit(f"{failed[0].name} failed with exit code {failed[0].exitcode}")
 
 
 def main() -> None:
@@ -220,21 +310,29 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
+        args.cache_root = os.path.join(tmp, "inductor_caches")
         procs = [ctx.Process(target=run, args=(r, args.nproc, os.path.join(tmp, "rdv"), args, results))
                  for r in range(args.nproc)]
         for p in procs:
             p.start()
-        rows = results.get(timeout=1800)
+        rows = _results_or_failure(results, procs)
         for p in procs:
             p.join()
     tokens = args.per_rank_batch * args.nproc * CFG.block_size
-    print(f"{args.nproc} CPU ranks (gloo), GPT {CFG.n_layer}x{CFG.n_embd}, {tokens} tokens/step, "
-          f"median of {args.steps} steps after {WARMUP} warm-up, piper_fx codegen {args.codegen}")
-    print(f"{'pair':<30} {'piper ms':>9} {'native ms':>10} {'ratio':>6} {'piper tok/s':>12} "
-          f"{'piper loss':>11} {'native loss':>12}")
-    for name, ours, theirs, ours_loss, theirs_loss in rows:
-        print(f"{name:<30} {ours * 1e3:9.1f} {theirs * 1e3:10.1f} {ours / theirs:6.2f} {tokens / ours:12.0f} "
-              f"{ours_loss:11.5f} {theirs_loss:12.5f}")
+    print(f"{args.nproc} CPU ranks (gloo), GPT {CFG.n_layer}x{CFG.n_embd} (pipelines: one block per stage), "
+          f"{tokens} tokens/step, median of {args.steps} steps after {WARMUP} warm-up, piper_fx codegen "
+          f"{args.codegen}; per pair the slowest rank's time and the largest rank's memory; ratio = piper / native")
+    header = (f"{'pair':<30} {'piper ms':>8} {'native ms':>9} {'ratio':>5} {'piper tok/s':>11} "
+              f"{'native tok/s':>12} {'piper MB':>8} {'native MB':>9} {'piper RSS':>9} {'native RSS':>10} "
+              f"{'cold s':>11} {'warm s':>11} {'piper loss':>10} {'native loss':>11}")
+    print(header)
+    for name, ours, theirs in rows:
+        print(f"{name:<30} {ours['step_s'] * 1e3:8.1f} {theirs['step_s'] * 1e3:9.1f} "
+              f"{ours['step_s'] / theirs['step_s']:5.2f} {tokens / ours['step_s']:11.0f} "
+              f"{tokens / theirs['step_s']:12.0f} {ours['peak_bytes'] / 2**20:8.2f} {theirs['peak_bytes'] / 2**20:9.2f} "
+              f"{ours['rss_mb']:9.0f} {theirs['rss_mb']:10.0f} "
+              f"{ours['cold_s']:5.1f}/{theirs['cold_s']:<5.1f} {ours['warm_s']:5.1f}/{theirs['warm_s']:<5.1f} "
+              f"{ours['loss']:10.5f} {theirs['loss']:11.5f}")
 
 
 if __name__ == "__main__":
