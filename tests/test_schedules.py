@@ -201,3 +201,16 @@ def test_copies_take_their_own_half_of_the_microbatches():
     wrong.actions[0][0] = Action(0, F, 3)
     with pytest.raises(ScheduleError, match=r"microbatch 3 goes through copy 1, stage 0 is in copy 0"):
         schedules.validate(wrong)
+
+
+def test_the_custom_schedule_example_round_trips_through_directives():
+    from examples.custom_schedule import COSTS, as_directives, one_f_one_b_deferred_weights
+    from piper_fx.directives import schedule_from_directives
+
+    custom = schedules.validate(one_f_one_b_deferred_weights(2, 4))
+    again = schedules.validate(schedule_from_directives(as_directives(custom), 2))
+    assert again.actions == custom.actions and again.stage_to_rank == custom.stage_to_rank
+    one_f_one_b = schedules.simulate(schedules.build("1f1b", 2, 4), COSTS)
+    deferred = schedules.simulate(custom, COSTS)
+    assert deferred.makespan < one_f_one_b.makespan  # W's fill the cool-down bubble...
+    assert max(deferred.peak_activations) > max(one_f_one_b.peak_activations)  # ...holding activations longer
