@@ -84,6 +84,8 @@ def strategy_options(args: argparse.Namespace, world_size: int) -> dict:
     mesh.setdefault("dp", world_size // mesh.get("pp", 1))
     if args.codegen is not None:
         options["codegen"] = args.codegen
+    # Time the collective waits inside tasks, for the summary's exposed communication.
+    options.setdefault("profile", True)
     options["debug_dir"] = os.path.abspath(args.debug_dir)
     return options
 

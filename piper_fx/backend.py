@@ -73,7 +73,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     dump.write("program.txt", program.render())
     dump.write("schedule.txt", text_grid(dag.schedule))
     dump.write("schedule.svg", svg(dag.schedule))
-    compiled = compile_program(program, strategy.codegen, dump)
+    compiled = compile_program(program, strategy.codegen, dump, time_waits=strategy.profile)
 
     seed = next((i for i in dag.inputs if i.role is InputRole.TANGENT), None)
     seed_val = dag.placeholders()[seed.name].meta["val"] if seed is not None else None

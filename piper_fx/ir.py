@@ -91,8 +91,13 @@ class Run:
     task: str
     microbatch: int | None  # None: a once-per-step task (prologue, epilogue)
 
+    @property
+    def label(self) -> str:
+        """`F0.3`: the task and microbatch, as the schedule names the action."""
+        return self.task + ("" if self.microbatch is None else f".{self.microbatch}")
+
     def __str__(self) -> str:
-        return f"run   {self.task}" + ("" if self.microbatch is None else f".{self.microbatch}")
+        return f"run   {self.label}"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ Each option maps onto the pass that consumes it:
 | overlap      | passes.reorder_for_overlap (prefetch gathers, sink waits)|
 | prefetch     | passes.reorder_for_overlap (ZeRO-3 layers gathered ahead)|
 | codegen      | capture (decompositions), codegen                        |
+| profile      | codegen (collective waits timed inside tasks)            |
 | debug_dir    | debug (dumps); env PIPER_DEBUG_DIR when not given        |
 
 Everything is checked here, before any graph is traced, so a bad value never
@@ -33,8 +34,8 @@ from .errors import PiperConfigError
 ZERO_LEVELS = (0, 1, 2, 3)
 CODEGENS = ("inductor", "eager")
 MESH_DIMS = ("pp", "dp")
-TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "overlap", "prefetch", "codegen", "debug_dir", "pipeline",
-                  "directives")
+TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "overlap", "prefetch", "codegen", "profile", "debug_dir",
+                  "pipeline", "directives")
 PIPELINE_KEYS = ("schedule", "microbatches", "stages_per_rank")
 
 
@@ -49,6 +50,7 @@ class Strategy:
     overlap: bool = True
     prefetch: int = 1
     codegen: str = "inductor"
+    profile: bool = False
     debug_dir: str | None = None
     world_size: int = 1
     rank: int = 0
@@ -150,6 +152,9 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
     codegen = options.get("codegen", "inductor")
     if codegen not in CODEGENS:
         raise PiperConfigError("codegen", codegen, f"one of {list(CODEGENS)}")
+    profile = options.get("profile", False)
+    if not isinstance(profile, bool):
+        raise PiperConfigError("profile", profile, "True or False")
 
     debug_dir = options.get("debug_dir", os.environ.get("PIPER_DEBUG_DIR") or None)
     if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
@@ -166,6 +171,7 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
         schedule, microbatches, stages_per_rank = _parse_pipeline(options.get("pipeline"), pp)
     return Strategy(
         dp=dp, pp=pp, zero=zero, bucket_mb=float(bucket_mb), overlap=overlap, prefetch=prefetch, codegen=codegen,
+        profile=profile,
         debug_dir=os.fspath(debug_dir) if debug_dir is not None else None,
         world_size=world_size, rank=rank,
         schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,

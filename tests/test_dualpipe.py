@@ -69,9 +69,12 @@ def test_dualpipe_and_dualpipev_on_four_ranks():
     _check(run_ranks(pipeline_worker, 4, configs, deadline_s=500), configs)
 
 
-def test_dualpipev_with_data_parallel_zero1():
+def test_dualpipev_and_dualpipe_with_data_parallel_zero():
     configs = [{"options": {**_pp(2, "dualpipev", 4, dp=2), "zero": 1}, "pp_regions": True, "n_layer": 4,
-                "per_rank_batch": 4, "steps": 5}]
+                "per_rank_batch": 4, "steps": 5},
+               # Both copies gather ZeRO-3 shards and reduce-scatter over dp, then sum over the copies.
+               {"options": {**_pp(2, "dualpipe", 4, dp=2), "zero": 3}, "pp_regions": True,
+                "per_rank_batch": 4, "steps": 5, "tied": True}]
     _check(run_ranks(pipeline_worker, 4, configs, deadline_s=500), configs, dp=2)
 
 

@@ -19,6 +19,7 @@ from ranks import RankFailed, run_ranks, run_ranks_collect
     ({"bucket_mb": 0}, "bucket_mb"),
     ({"bucket_mb": "25"}, "bucket_mb"),
     ({"overlap": "yes"}, "overlap"),
+    ({"profile": 1}, "profile"),
     ({"prefetch": -1}, "prefetch"),
     ({"prefetch": 1.5}, "prefetch"),
     ({"debug_dir": 3}, "debug_dir"),

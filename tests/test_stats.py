@@ -19,10 +19,12 @@ def test_ddp_all_reduces_every_gradient_byte_once_per_step():
         for stats in run["stats"]:
             _check_times(stats)
             assert stats["comm_bytes"] == {"all_reduce": run["param_bytes"]}, stats
+        # Without `profile`, waits inside tasks are not timed: the trace has no wait_tensor.
+        assert not any(e.get("name") == "wait_tensor" for e in run["trace"]["traceEvents"])
 
 
 def test_zero3_stats_count_gathers_in_forward_and_backward_and_the_trace_is_written(tmp_path):
-    options = {"zero": 3, "codegen": "eager", "debug_dir": str(tmp_path)}
+    options = {"zero": 3, "codegen": "eager", "debug_dir": str(tmp_path), "profile": True}
     for rank, run in enumerate(run_ranks(stats_worker, 2, options)):
         for stats in run["stats"]:
             _check_times(stats)
@@ -38,3 +40,10 @@ def test_zero3_stats_count_gathers_in_forward_and_backward_and_the_trace_is_writ
             assert {e["name"] for e in spans if e["cat"] == "compute"} == {"F0.0", "B0.0"}  # as in the schedule
             assert any(e["cat"] == "comm wait" and e["name"] == "wait_tensor" for e in spans)
             assert {e["pid"] for e in spans} == {rank}
+
+
+def test_profile_times_collective_waits_inside_inductor_tasks():
+    for run in run_ranks(stats_worker, 2, {"zero": 3, "codegen": "inductor", "profile": True}, 2):
+        _check_times(run["stats"][-1])
+        waits = [e for e in run["trace"]["traceEvents"] if e.get("name") == "wait_tensor"]
+        assert waits and all(e["cat"] == "comm wait" for e in waits)

@@ -10,13 +10,14 @@ from ..ir import Task
 from ..runtime.timing import timed_wait
 
 
-def compile_task(task: Task):
+def compile_task(task: Task, time_waits: bool = False):
     gm = copy.copy(task.graph)
     gm.graph = copy.deepcopy(task.graph.graph)
     # Boxed: the generated code clears the argument list, and FX code drops each
     # local after its last use, so values die inside the task, not at its end.
     gm.graph.set_codegen(_BoxedCodeGen())
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.wait_tensor.default):
-        node.target = timed_wait  # the same wait, timed as exposed communication
+    if time_waits:
+        for node in gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.wait_tensor.default):
+            node.target = timed_wait  # the same wait, timed as exposed communication
     gm.recompile()
     return gm.forward, gm.code

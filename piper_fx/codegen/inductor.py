@@ -18,18 +18,22 @@ def _fake_inputs(task: Task) -> list:
     return [n.meta["val"] for n in task.graph.graph.nodes if n.op == "placeholder"]
 
 
-def compile_task(task: Task):
+def compile_task(task: Task, time_waits: bool = False):
     example_inputs = _fake_inputs(task)
     fake_mode = next((v.fake_mode for v in example_inputs if hasattr(v, "fake_mode")), None)
     with tracing(TracingContext(fake_mode)):
         compiled = compile_fx_inner(task.graph, example_inputs)
     source = getattr(compiled, "source_code", None) or task.graph.code
-    if task.graph.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.wait_tensor.default):
+    if time_waits and task.graph.graph.find_nodes(op="call_function",
+                                                  target=torch.ops._c10d_functional.wait_tensor.default):
         return _timing_waits(compiled), source
     return compiled, source
 
 
 def _timing_waits(compiled):
+    """`compiled`, run under a dispatch mode that times its collective waits. The
+    mode sees every op the compiled code dispatches (extern kernels), which
+    costs a Python call each: hence opt-in (option `profile`)."""
     def run(args: list):
         with WaitTimer():
             return compiled(args)

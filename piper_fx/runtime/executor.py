@@ -81,7 +81,9 @@ def last_step_stats() -> dict:
     - `step_s`: wall time of the program; `compute_s`: time in tasks, less the
       collective waits inside them; `comm_wait_s`: time blocked on
       communication (receives, collectives' waits, sends at the end), i.e. the
-      exposed communication, and `exposed_comm_fraction` = comm_wait_s / step_s;
+      exposed communication, and `exposed_comm_fraction` = comm_wait_s / step_s.
+      Waits inside tasks are timed only with the option `profile`; without
+      it they count as compute;
     - `comm_bytes`: bytes this rank contributes per collective kind
       (`all_gather`, `reduce_scatter`, `all_reduce`, `all_to_all`) and sent
       point to point (`send`);
@@ -103,6 +105,7 @@ class ProgramExecutor:
     def __init__(self, program: RankProgram, compiled: dict[str, Callable[[list], Sequence[torch.Tensor]]]):
         self.program = program
         self.compiled = compiled
+        self.comm_bytes = program.communication_bytes()  # fixed by the program: counted once
         kept = {(name, None) for name in program.outputs}
         last_read: dict[Key, int] = {}
         for index, instruction in enumerate(program.instructions):
@@ -120,7 +123,7 @@ class ProgramExecutor:
             results, peak = self._run(values, timeline)
         _last_timeline[0] = timeline
         _last_stats.clear()
-        _last_stats.update(timeline.stats(), comm_bytes=self.program.communication_bytes(),
+        _last_stats.update(timeline.stats(), comm_bytes=dict(self.comm_bytes),
                            peak_activation_bytes=peak, instructions=len(self.program.instructions))
         return results
 
@@ -142,7 +145,7 @@ class ProgramExecutor:
                 for key in _reads(program, instruction):
                     arrive(key)
             if isinstance(instruction, Run):
-                with timeline.span(str(instruction).split()[-1], COMPUTE):
+                with timeline.span(instruction.label, COMPUTE):
                     self._run_task(instruction, values, index)
             elif isinstance(instruction, Send):
                 tensor = values[program.key(instruction.value, instruction.microbatch)]

@@ -7,10 +7,11 @@ end, and the waits of collectives inside compiled tasks. Time blocked waiting
 is the exposed communication: what overlapping failed to hide. Compute is the
 tasks' time minus the waits inside them.
 
-In-task waits are timed without touching other ops: eager task graphs call
-`timed_wait` in place of `wait_tensor`, and Inductor-compiled tasks run under
-`WaitTimer`, a dispatch mode that only times `wait_tensor` (the compiled C++
-kernels never reach it; only extern calls pass through).
+In-task waits are timed only with the option `profile` (otherwise they count
+as the task's compute): eager task graphs then call `timed_wait` in place of
+`wait_tensor`, and Inductor-compiled tasks run under `WaitTimer`, a dispatch
+mode that times `wait_tensor` and passes every other op through (the compiled
+C++ kernels never reach it, but each extern call pays a Python call).
 """
 from __future__ import annotations
 
