@@ -3,7 +3,8 @@
     python benchmarks/compare.py [--nproc 2] [--steps 10] [--codegen inductor|eager]
 
 Spawns the ranks (gloo on CPU), trains the example GPT with each pair on the
-same data from the same initial weights, and prints median step times, the
+same data from the same initial weights, the two sides' steps alternating,
+and prints median step times, the
 piper_fx / native ratio, tokens/s, peak tensor memory (parameters, gradients,
 optimizer state and the most a step allocates above them, from the profiler's
 memory events) and peak RSS per rank, compile time (first step with a cold
@@ -88,62 +89,74 @@ def _peak_rss_mb() -> float:
     return int(line.split()[1]) / 1024
 
 
-def train(make_step, steps: int, rank: int, world: int, per_rank: int, cfg: GPTConfig = CFG,
-          dp: int | None = None, cache_dir: str | None = None) -> dict:
-    """One side of a pair on this rank: median step time (s) after warm-up, the last loss
-    averaged over ranks, compile times (the first step, with a cold Inductor cache in
-    `cache_dir`, then again in a fresh Dynamo with the cache warm), peak tensor bytes
-    (parameters, gradients and optimizer state, plus the most a step allocates on top)
-    and peak RSS.
+class _Side:
+    """One side of a pair on this rank: a model, its compiled step and its optimizer."""
 
-    The global batch has `per_rank * world` rows; each of the `dp` data-parallel
-    replicas (all ranks by default; 1 for a pipeline over all ranks) gets its share.
-    A step whose loss needs no backward ran its backward itself (a pipeline schedule)."""
-    dp = world if dp is None else dp
-    if cache_dir is not None:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    _reset_peak_rss()
+    def __init__(self, make_step, cfg: GPTConfig, cache_dir: str, rank: int, world: int, per_rank: int, dp: int):
+        self.make_step, self.cfg, self.cache_dir = make_step, cfg, cache_dir
+        self.rank, self.world, self.per_rank, self.dp = rank, world, per_rank, dp
+        self.times: list[float] = []
+        self.loss = None
 
-    def build():
-        torch._dynamo.reset()
+    def build(self) -> None:
         torch.manual_seed(0)
-        model = GPT(cfg)
-        step, params = make_step(model)
-        params = list(params)
-        return step, params, torch.optim.AdamW(params, lr=1e-3)
+        model = GPT(self.cfg)
+        step, params = self.make_step(model)
+        self.step, self.params = step, list(params)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-3)
 
-    def one_step(step, opt, i):
-        x, y = batch(i, per_rank * world)
-        x, y = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
-        loss = step(x, y)
-        if loss.requires_grad:
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    step, params, opt = build()
-    times, loss, compile_s = [], None, 0.0
-    for i in range(WARMUP + steps):
+    def run(self, i: int) -> float:
+        """Step `i` (the global batch's share of this rank), timed between barriers."""
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.cache_dir  # each side compiles into its own cache
+        x, y = batch(i, self.per_rank * self.world)
+        x, y = x.chunk(self.dp)[self.rank % self.dp], y.chunk(self.dp)[self.rank % self.dp]
         dist.barrier()
         start = time.perf_counter()
-        loss = one_step(step, opt, i)
-        if i == 0:
-            compile_s = time.perf_counter() - start
-        if i >= WARMUP:
-            times.append(time.perf_counter() - start)
-    loss = loss.detach().clone()
-    dist.all_reduce(loss)
-    dist.barrier()
-    peak = _resident_bytes(params, opt) + _peak_allocated_bytes(lambda: one_step(step, opt, WARMUP + steps))
-    rss = _peak_rss_mb()
-    step, params, opt = build()  # the same again in a fresh Dynamo: Inductor's cache is warm now
-    dist.barrier()
-    start = time.perf_counter()
-    one_step(step, opt, 0)
-    warm_s = time.perf_counter() - start
-    return {"step_s": statistics.median(times), "loss": loss.item() / world, "cold_s": compile_s,
-            "warm_s": warm_s, "peak_bytes": peak, "rss_mb": rss}
+        loss = self.step(x, y)
+        if loss.requires_grad:  # a pipeline schedule's step ran its backward itself
+            loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.loss = loss.detach()
+        return time.perf_counter() - start
+
+
+def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rank: int, world: int, per_rank: int,
+                 dp: int) -> list[dict]:
+    """Both sides of a pair on this rank, their timed steps alternating, so drifts in the
+    machine's load hit both alike. Per side: median step time after warm-up, the last
+    loss averaged over ranks, compile times (the first step with a cold Inductor cache,
+    and again after `torch._dynamo.reset()` with the cache warm), peak tensor bytes
+    (parameters, gradients and optimizer state, plus the most a step allocates above
+    them) and peak RSS while it compiled and took its first step.
+
+    The global batch has `per_rank * world` rows; each of the `dp` data-parallel
+    replicas (all ranks; 1 for a pipeline over all ranks) gets its share."""
+    torch._dynamo.reset()
+    sides = [_Side(make, cfg, cache, rank, world, per_rank, dp) for make, cache in zip(makers, caches)]
+    results = [{} for _ in sides]
+    for side, result in zip(sides, results):
+        _reset_peak_rss()
+        side.build()
+        result["cold_s"] = side.run(0)
+        result["rss_mb"] = _peak_rss_mb()
+    for i in range(1, WARMUP + steps):
+        for side in sides:
+            elapsed = side.run(i)
+            if i >= WARMUP:
+                side.times.append(elapsed)
+    for side, result in zip(sides, results):
+        loss = side.loss.clone()
+        dist.all_reduce(loss)
+        dist.barrier()
+        result.update(step_s=statistics.median(side.times), loss=loss.item() / world,
+                      peak_bytes=_resident_bytes(side.params, side.opt)
+                      + _peak_allocated_bytes(lambda: side.run(WARMUP + steps)))
+    torch._dynamo.reset()  # compile both again: Inductor's caches are warm now
+    for side, result in zip(sides, results):
+        side.build()
+        result["warm_s"] = side.run(0)
+    return results
 
 
 def piper(options):
@@ -272,14 +285,13 @@ def run(rank: int, world: int, init_file: str, args, results) -> None:
     for index, (name, ours, theirs, cfg, dp) in enumerate(pairs):
         if args.only and not any(word in name for word in args.only):
             continue
-        sides = []
-        for side, make in (("piper", ours), ("native", theirs)):
-            cache = os.path.join(args.cache_root, f"pair{index}_{side}")  # a cold cache per side
-            measured = train(make, args.steps, rank, world, args.per_rank_batch, cfg, dp, cache)
-            everyone: list = [None] * world
-            dist.all_gather_object(everyone, measured)
-            sides.append({key: max(m[key] for m in everyone) for key in measured})  # the slowest / largest rank
-        rows.append((name, *sides))
+        caches = [os.path.join(args.cache_root, f"pair{index}_{side}") for side in ("piper", "native")]
+        measured = measure_pair((ours, theirs), cfg, caches, args.steps, rank, world, args.per_rank_batch, dp)
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, measured)
+        # Per side, the slowest rank's times and the largest rank's memory.
+        rows.append((name, *({key: max(m[side][key] for m in everyone) for key in measured[side]}
+                             for side in range(2))))
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()
