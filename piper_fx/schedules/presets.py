@@ -221,7 +221,9 @@ def _dualpipe_row(half_ranks: int, microbatches: int, depth: int, chunk_stage) -
         weights()
         forward(1)
     for i in range(microbatches - 2 * n + h + 1):
-        if i == 0 and h == n - 1:  # the turn of the V: chunk 1's backward needs this very forward
+        # The middle rank's first chunk-1 backward runs alone: its input gradient is
+        # still on its way back, and a pair would hold this forward until it arrives.
+        if i == 0 and h == n - 1:
             forward(0)
             backward(1)
         else:
