@@ -37,19 +37,59 @@ def _reads(program: RankProgram, instruction) -> list[Key]:
     return []
 
 
-def _activation_bytes(values: dict[Key, torch.Tensor], receiving: "dict[Key, list[_Receiving]]",
-                      input_storages: set[int]) -> int:
-    """Bytes of per-microbatch values the program made or is receiving: not the
-    step's inputs (batch, parameters) nor views of them, such as a transposed weight."""
-    storages = {}
-    tensors = [(key, value) for key, value in values.items()]
-    tensors += [(key, r.buffer) for key, pending in receiving.items() for r in pending]
-    for (_, microbatch), value in tensors:
-        if microbatch is not None and isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            if storage.data_ptr() not in input_storages:
-                storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+class _ActivationBytes:
+    """Bytes of the per-microbatch values the program made or is receiving, kept
+    up to date as values come and go (a scan of every value after every
+    instruction cost a tenth of a pipeline step). The step's inputs (batch,
+    parameters) and views of them, such as a transposed weight, do not count;
+    a storage shared by several values counts once."""
+
+    def __init__(self, input_storages: set[int]):
+        self.input_storages = input_storages
+        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, values on it]
+        self.current = 0
+
+    def add(self, key: Key, value) -> None:
+        if key[1] is None or not isinstance(value, torch.Tensor):
+            return
+        storage = value.untyped_storage()
+        address = storage.data_ptr()
+        if address in self.input_storages:
+            return
+        entry = self.live.setdefault(address, [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self.current += entry[0]
+        entry[1] += 1
+
+    def remove(self, key: Key, value) -> None:
+        if key[1] is None or not isinstance(value, torch.Tensor):
+            return
+        entry = self.live.get(value.untyped_storage().data_ptr())
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.current -= entry[0]
+            del self.live[value.untyped_storage().data_ptr()]
+
+
+class _Values(dict):
+    """The program's values by key, reporting every value set or dropped to an `_ActivationBytes`."""
+
+    def __init__(self, values: dict, tracked: _ActivationBytes):
+        super().__init__(values)
+        self.tracked = tracked
+
+    def __setitem__(self, key: Key, value) -> None:
+        if key in self:
+            self.tracked.remove(key, dict.__getitem__(self, key))
+        super().__setitem__(key, value)
+        self.tracked.add(key, value)
+
+    def pop(self, key: Key, *default):
+        if key in self:
+            self.tracked.remove(key, dict.__getitem__(self, key))
+        return super().pop(key, *default)
 
 
 class _Receiving:
@@ -135,10 +175,15 @@ class ProgramExecutor:
         def arrive(key: Key) -> None:
             for posted in receiving.pop(key, ()):
                 buffer = posted.wait(timeline)
+                activations.remove(key, buffer)  # no longer in flight: counted as a value below
                 held = values.get(key) if posted.instruction.accumulate else None
                 values[key] = buffer if held is None else held + buffer
 
         input_storages = {v.untyped_storage().data_ptr() for v in values.values() if isinstance(v, torch.Tensor)}
+        activations = _ActivationBytes(input_storages)
+        tracked = _Values(values, activations)
+        values.clear()  # consumed: the runtime holds the only references, so values die at their last use
+        values = tracked
         peak = 0
         for index, instruction in enumerate(program.instructions):
             if not isinstance(instruction, Recv):
@@ -152,9 +197,11 @@ class ProgramExecutor:
                 pending_sends.append(dist.isend(tensor.contiguous(), dst=instruction.peer, tag=instruction.tag))
             elif isinstance(instruction, Recv):
                 key = program.key(instruction.value, instruction.microbatch)
-                receiving.setdefault(key, []).append(_Receiving(instruction, program.rank))
+                posted = _Receiving(instruction, program.rank)
+                receiving.setdefault(key, []).append(posted)
+                activations.add(key, posted.buffer)
             if not isinstance(instruction, Send):  # only runs and receives add values
-                peak = max(peak, _activation_bytes(values, receiving, input_storages))
+                peak = max(peak, activations.current)
             pending_sends = [work for work in pending_sends if not work.is_completed()]
             for key in self.drop_after[index]:
                 values.pop(key, None)
