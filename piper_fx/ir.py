@@ -206,8 +206,7 @@ class RankProgram:
             lines.append(f"  {task.name:<6} stage={task.stage} lane={task.lane}  "
                          f"in=[{', '.join(task.inputs)}] out=[{', '.join(task.outputs)}]")
             for node in task.graph.graph.nodes:
-                if (node.op == "call_function" and getattr(node.target, "namespace", "") == "_c10d_functional"
-                        and node.target.__name__.split(".")[0] != "wait_tensor"):
+                if collective_kind(node) is not None:
                     lines.append(f"        collective {node.name}: {node.target}  {node.meta.get('piper_comm', '')}")
         lines.append("instructions:")
         lines.extend(f"  {i:4d}  {instruction}" for i, instruction in enumerate(self.instructions))
