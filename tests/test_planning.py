@@ -90,12 +90,13 @@ def test_zero3_gathers_per_use_in_forward_and_again_in_backward(plans):
     assert backward["reduce_scatter_tensor"] == USES and backward["all_reduce"] == 0
 
 
-def test_bucket_size_sets_the_number_of_collectives(tmp_path):
+@pytest.mark.parametrize("world", [2, 4])
+def test_bucket_size_sets_the_number_of_collectives(tmp_path, world):
     ctx = multiprocessing.get_context("spawn")
     counts = {}
     with ctx.Pool(1) as pool:
         for bucket_mb in (1e-9, 0.002, 25):
-            program = pool.apply(_plan_one_step, (3, 4, str(tmp_path / str(bucket_mb)), bucket_mb))
+            program = pool.apply(_plan_one_step, (3, world, str(tmp_path / str(bucket_mb)), bucket_mb))
             counts[bucket_mb] = {task: _counts(ops) for task, ops in _collectives_by_task(program).items()}
     gathers = {mb: c["F0"]["all_gather_into_tensor"] + c["B0"]["all_gather_into_tensor"] for mb, c in counts.items()}
     scatters = {mb: c["B0"]["reduce_scatter_tensor"] for mb, c in counts.items()}
