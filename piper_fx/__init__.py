@@ -10,6 +10,7 @@ from .backend import piper_backend, register as _register
 from .errors import PiperConfigError, PiperError
 from .options import Strategy, parse_options
 from .prepare import prepare
+from .sharding.experts import mark_experts
 from .runtime.executor import last_step_stats, last_step_trace
 from .state_dict import full_state_dict
 from . import schedules
@@ -17,4 +18,4 @@ from . import schedules
 _register()
 
 __all__ = ["annotate", "PiperConfigError", "PiperError", "Strategy", "full_state_dict", "parse_options",
-           "last_step_stats", "last_step_trace", "piper_backend", "prepare", "schedules"]
+           "last_step_stats", "last_step_trace", "mark_experts", "piper_backend", "prepare", "schedules"]

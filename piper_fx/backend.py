@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch.fx as fx
-from torch import nn
 
 from .capture import capture
 from .codegen import compile_program
@@ -24,7 +23,6 @@ from .runtime.step import CompiledStep
 from .schedules import svg, text_grid
 from .sharding.mesh import dp_group_name, pp_group_name
 from .sharding.replicas import broadcast_from_first_replica
-from .sharding.row_shard import sharded_parameter_info
 from .sharding.specs import placement_table
 from .state_dict import mark_pipeline_owner
 
@@ -54,9 +52,7 @@ def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: Deb
 
 def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
     strategy = parse_options_on_all_ranks(options)
-    sharded = sum(sharded_parameter_info(t) is not None for t in example_inputs)
-    plain = sum(isinstance(t, nn.Parameter) and sharded_parameter_info(t) is None for t in example_inputs)
-    check_prepared(strategy, sharded, plain)
+    check_prepared(strategy, example_inputs)
 
     dump = DebugDump(strategy.debug_dir, strategy.rank)
     dag = plan(gm, example_inputs, strategy, dump)

@@ -6,6 +6,7 @@ Each option maps onto the pass that consumes it:
 |--------------|----------------------------------------------------------|
 | mesh.dp      | sharding.mesh (groups), passes.reduce_gradients          |
 | mesh.pp      | passes.split_stages, passes.build_rank_programs          |
+| mesh.ep      | prepare (expert shards), passes.shard_experts            |
 | pipeline     | passes.split_stages (stages), passes.build_rank_programs |
 |              | (schedule, microbatches), runtime.step (input split)     |
 | zero         | prepare (layout), passes.unshard_parameters,             |
@@ -33,7 +34,7 @@ from .errors import PiperConfigError
 
 ZERO_LEVELS = (0, 1, 2, 3)
 CODEGENS = ("inductor", "eager")
-MESH_DIMS = ("pp", "dp")
+MESH_DIMS = ("pp", "dp", "ep")
 TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "overlap", "prefetch", "codegen", "profile", "debug_dir",
                   "pipeline", "directives")
 PIPELINE_KEYS = ("schedule", "microbatches", "stages_per_rank")
@@ -45,6 +46,7 @@ class Strategy:
 
     dp: int
     pp: int = 1
+    ep: int = 1  # expert parallel: each group of ep consecutive dp ranks shares out the experts
     zero: int = 0
     bucket_mb: float = 25.0
     overlap: bool = True
@@ -67,6 +69,10 @@ class Strategy:
         return self.rank % self.dp
 
     @property
+    def ep_index(self) -> int:
+        return self.dp_index % self.ep
+
+    @property
     def pp_index(self) -> int:
         return self.rank // self.dp
 
@@ -77,7 +83,7 @@ class Strategy:
 
     def layout_key(self) -> tuple:
         """What `prepare` fixed: compiling with a different key needs a new `prepare`."""
-        return (self.dp, self.pp, self.shards_parameters)
+        return (self.dp, self.pp, self.ep, self.shards_parameters)
 
     def with_rank(self, rank: int) -> "Strategy":
         return replace(self, rank=rank)
@@ -86,7 +92,7 @@ class Strategy:
         """What every rank must agree on (the debug directory may differ per rank)."""
         schedule = self.schedule if isinstance(self.schedule, str) else (
             self.schedule.name, self.schedule.stage_to_rank, tuple(tuple(map(str, row)) for row in self.schedule.actions))
-        return (self.dp, self.pp, self.zero, self.bucket_mb, self.overlap, self.prefetch, self.codegen, schedule,
+        return (self.dp, self.pp, self.ep, self.zero, self.bucket_mb, self.overlap, self.prefetch, self.codegen, schedule,
                 self.microbatches, self.stages_per_rank)
 
 
@@ -133,6 +139,10 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
     if dp * pp != world_size:
         raise PiperConfigError(
             "mesh", dict(mesh), f"pp * dp must equal the world size {world_size} (got {pp} * {dp} = {pp * dp})")
+    ep = mesh.get("ep", 1)
+    if dp % ep:
+        raise PiperConfigError("mesh.ep", ep, f"a divisor of dp={dp}: the experts are shared out over ep of the "
+                                              "data-parallel ranks and replicated over the dp/ep groups of them")
 
     zero = options.get("zero", 0)
     if not _is_int(zero) or zero not in ZERO_LEVELS:
@@ -170,7 +180,7 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
     else:
         schedule, microbatches, stages_per_rank = _parse_pipeline(options.get("pipeline"), pp)
     return Strategy(
-        dp=dp, pp=pp, zero=zero, bucket_mb=float(bucket_mb), overlap=overlap, prefetch=prefetch, codegen=codegen,
+        dp=dp, pp=pp, ep=ep, zero=zero, bucket_mb=float(bucket_mb), overlap=overlap, prefetch=prefetch, codegen=codegen,
         profile=profile,
         debug_dir=os.fspath(debug_dir) if debug_dir is not None else None,
         world_size=world_size, rank=rank,
@@ -292,5 +302,5 @@ def parse_options_on_all_ranks(options: Mapping[str, Any] | None) -> Strategy:
         by_rank = ", ".join(f"rank {r}: {theirs[1]}" for r, theirs in enumerate(everyone))
         raise PiperConfigError(
             "options", dict(options or {}),
-            f"every rank must pass the same strategy (dp, pp, zero, bucket_mb, codegen); got {by_rank}")
+            f"every rank must pass the same strategy (dp, pp, ep, zero, bucket_mb, codegen, pipeline); got {by_rank}")
     return strategy

@@ -12,9 +12,10 @@ from torch import nn
 
 from .errors import PiperConfigError
 from .options import Strategy, parse_options_on_all_ranks
-from .sharding.mesh import dp_group_name
+from .sharding.experts import expert_parameters, is_expert_parameter, shard_experts
+from .sharding.mesh import dp_group_name, ep_group_name
 from .sharding.replicas import broadcast_from_first_replica
-from .sharding.row_shard import shard_parameters
+from .sharding.row_shard import shard_parameters, sharded_parameter_info
 
 _LAYOUT_ATTR = "_piper_layout_key"
 
@@ -24,6 +25,9 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
 
     With ZeRO >= 1 over dp > 1 ranks every parameter becomes its 1/dp row shard
     (a new `nn.Parameter`; build the optimizer afterwards, as with FSDP2).
+    With `mesh.ep > 1` every expert parameter (`piper_fx.mark_experts`) becomes
+    the block of experts this rank computes, replicated over the dp/ep groups
+    (and never ZeRO-sharded on top).
     Otherwise the layout does not change. Calling it again with the same layout
     is a no-op. With dp > 1 it first gives every replica the first replica's
     parameters and buffers, as DDP does, so it is collective: every rank must call it.
@@ -38,13 +42,28 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
                 "build a fresh model to change mesh or ZeRO sharding")
         return model
     group_name = dp_group_name(strategy)
+    experts = expert_parameters(model) if strategy.ep > 1 else {}
+    if strategy.ep > 1:
+        _check_experts(experts, strategy.ep)
     broadcast_from_first_replica([*model.parameters(), *model.buffers()], group_name)
     if strategy.shards_parameters:
-        shard_parameters(model, group_name, strategy.dp, strategy.dp_index)
+        shard_parameters(model, group_name, strategy.dp, strategy.dp_index, keep=is_expert_parameter)
+    if experts:
+        shard_experts(model, ep_group_name(strategy), strategy.ep, strategy.ep_index)
     if strategy.microbatches > 1:
         model.register_forward_pre_hook(_mark_batch_dimension_dynamic)
     setattr(model, _LAYOUT_ATTR, strategy.layout_key())
     return model
+
+
+def _check_experts(experts: dict[str, nn.Parameter], ep: int) -> None:
+    if not experts:
+        raise PiperConfigError("mesh.ep", ep, "1, or a model with expert parameters to share out: mark the "
+                                              "experts' module with piper_fx.mark_experts(module)")
+    for name, p in experts.items():
+        if p.dim() == 0 or p.shape[0] % ep:
+            raise PiperConfigError("mesh.ep", ep, f"a divisor of the number of experts: {name} has shape "
+                                                  f"{tuple(p.shape)}, whose dim 0 (the experts) must split over ep")
 
 
 @torch._dynamo.disable
@@ -60,16 +79,31 @@ def prepared_layout(model: nn.Module) -> tuple | None:
     return getattr(model, _LAYOUT_ATTR, None)
 
 
-def check_prepared(strategy: Strategy, sharded_inputs: int, plain_parameters: int) -> None:
+def check_prepared(strategy: Strategy, example_inputs: list) -> None:
     """Raise if the parameters the backend sees do not match `strategy`'s layout."""
-    if strategy.shards_parameters and plain_parameters:
+    params = [t for t in example_inputs if isinstance(t, nn.Parameter)]
+    infos = [sharded_parameter_info(p) for p in params]
+    zero_shards = sum(info is not None and info.mesh_dim == "dp" for info in infos)
+    expert_shards = sum(info is not None and info.mesh_dim == "ep" for info in infos)
+    plain = [p for p, info in zip(params, infos) if info is None]
+    if strategy.shards_parameters and any(not is_expert_parameter(p) for p in plain):
         raise PiperConfigError(
             "zero", strategy.zero,
             f"ZeRO-{strategy.zero} over dp={strategy.dp} needs sharded parameters: call "
             "piper_fx.prepare(model, options) with the same options before building the "
             "optimizer and compiling")
-    if not strategy.shards_parameters and sharded_inputs:
+    if not strategy.shards_parameters and zero_shards:
         raise PiperConfigError(
             "zero", strategy.zero,
             "the model was prepared with sharded parameters (ZeRO >= 1), but these options "
             "do not shard; compile with the options given to prepare")
+    if strategy.ep > 1 and any(is_expert_parameter(p) for p in plain):
+        raise PiperConfigError(
+            "mesh.ep", strategy.ep,
+            "prepared experts: call piper_fx.prepare(model, options) with the same options before "
+            "building the optimizer and compiling, so each rank holds its block of experts")
+    if strategy.ep == 1 and expert_shards:
+        raise PiperConfigError(
+            "mesh.ep", strategy.ep,
+            "the model's experts were sharded by prepare with another mesh.ep; compile with the options "
+            "given to prepare")

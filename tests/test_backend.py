@@ -97,8 +97,9 @@ def test_debug_dumps_show_every_stage(tmp_path):
     (graph_dir,) = (tmp_path / "rank0").iterdir()
     names = {p.relative_to(graph_dir).as_posix() for p in graph_dir.rglob("*") if p.is_file()}
     for expected in ["00_dynamo_graph.py", "01_joint_graph.py", "placement_table.txt", "program.txt",
-                     "codegen/F0.py", "codegen/B0.py", "passes/02_unshard_parameters.py",
-                     "passes/04_propagate_placements.py", "passes/05_choose_schedule.py", "passes/06_split_stages.py",
+                     "codegen/F0.py", "codegen/B0.py", "passes/02_shard_experts.py",
+                     "passes/03_unshard_parameters.py", "passes/05_propagate_placements.py",
+                     "passes/06_choose_schedule.py", "passes/07_split_stages.py",
                      "schedule.txt", "schedule.svg"]:
         assert expected in names, (expected, sorted(names))
     table = (graph_dir / "placement_table.txt").read_text()

@@ -35,6 +35,8 @@ from ranks import RankFailed, run_ranks, run_ranks_collect
     ({"pipeline": {"depth": 2}}, "pipeline.depth"),
     ({"pipeline": "1f1b"}, "pipeline"),
     ({"mesh": {"dp": 2}}, "mesh"),  # world size 1: no process group for 2 ranks
+    ({"mesh": {"ep": 2}}, "mesh.ep"),  # does not divide dp = 1
+    ({"mesh": {"ep": 0}}, "mesh.ep"),
 ])
 def test_bad_option_names_its_key(options, key):
     with pytest.raises(PiperConfigError) as info:

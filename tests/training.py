@@ -41,7 +41,7 @@ def optimizer_state_bytes(opt) -> int:
 def train_and_compare(rank: int, world: int, options: dict, optimizer: str, steps: int = 5,
                       tied: bool = True, per_rank_batch: int = 2, same_init: bool = True,
                       call_prepare: bool = True, pp_regions: bool = False, n_layer: int = 2,
-                      model: str = "gpt") -> dict:
+                      model: str = "gpt", experts: int = 0, ep_regions: bool = True) -> dict:
     """Train with piper_fx on this rank's shard and, alongside, one model on the global batch.
 
     With `same_init=False` each rank initializes its own model from its own seed;
@@ -49,7 +49,7 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     """
     from models import MODELS, batch
 
-    cfg = GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=tied)
+    cfg = GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=tied, n_expert=experts)
     model_fn = MODELS[model] if model in MODELS else (lambda: GPT(cfg))
     batch_fn = batch if model in MODELS else (lambda i, rows: global_batch(i, rows, cfg))
     torch.manual_seed(0)
@@ -58,6 +58,11 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     model = model_fn()
     if pp_regions:
         model.block_context = lambda: piper_fx.annotate("PP")
+    if experts:
+        for module in model.experts():
+            piper_fx.mark_experts(module)
+        if ep_regions:
+            model.expert_context = lambda: piper_fx.annotate("EP")
     if call_prepare:
         piper_fx.prepare(model, options)
     opt = make_optimizer(optimizer, model.parameters())
@@ -312,3 +317,28 @@ def stats_worker(rank: int, world: int, options: dict, steps: int = 3) -> dict:
         stats.append(piper_fx.last_step_stats())
     return {"stats": stats, "param_bytes": param_bytes, "shard_bytes": shard_bytes,
             "trace": piper_fx.last_step_trace()}
+
+
+def expert_errors_worker(rank: int, world: int) -> dict:
+    """Each bad expert-parallel setup (mesh dp=2, ep=2), with the error it raises on this rank."""
+    from piper_fx import PiperConfigError
+
+    def error_of(n_expert: int, mark: bool = True, regions: bool = True):
+        cfg = GPTConfig(**SMALL, n_expert=n_expert)
+        model = GPT(cfg)
+        if mark:
+            for module in model.experts():
+                piper_fx.mark_experts(module)
+        if regions:
+            model.expert_context = lambda: piper_fx.annotate("EP")
+        options = {"mesh": {"dp": 2, "ep": 2}, "codegen": "eager"}
+        try:
+            piper_fx.prepare(model, options)
+            x, y = global_batch(0, 2, cfg)
+            torch.compile(model, backend="piper", options=options)(x, y).backward()
+        except PiperConfigError as e:
+            return (e.key, str(e))
+        return None
+
+    return {"indivisible": error_of(3), "unannotated": error_of(4, regions=False),
+            "unmarked": error_of(4, mark=False)}

@@ -56,3 +56,28 @@ def all_reduce_then_take_rows(
 def all_reduce_mean(grad: torch.Tensor, group_name: str) -> torch.Tensor:
     """Average a gradient over the group (DDP)."""
     return _c10d.wait_tensor(_c10d.all_reduce(grad.contiguous(), "avg", group_name))
+
+
+# Expert parallelism. Inside an EP region a rank computes its own E/ep experts
+# for the tokens of every rank of its ep group, laid out "rank-major": row
+# i = source * (E/ep) + local expert, the same (E, ...) shape the model traced.
+
+
+def all_to_all_experts(x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Exchange the group_size equal blocks of dim 0: block j goes to rank j, and block j
+    of the result came from rank j. Dispatch (expert-major -> rank-major) and combine
+    (rank-major -> expert-major) are this same exchange, and so is its backward."""
+    blocks = [x.shape[0] // group_size] * group_size
+    return _c10d.wait_tensor(_c10d.all_to_all_single(x.contiguous(), blocks, blocks, group_name))
+
+
+def repeat_experts(shard: torch.Tensor, group_size: int) -> torch.Tensor:
+    """This rank's experts' weights in the rank-major layout: its block once per source rank."""
+    return shard.repeat(group_size, *([1] * (shard.dim() - 1)))
+
+
+def fold_expert_grad(grad: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The gradient of this rank's experts from a rank-major one: summed over source
+    ranks, and divided by the ep group's size, since each source's loss is the mean over
+    its own batch (with the replicas' average over dp/ep, the average over all of dp)."""
+    return grad.view(group_size, grad.shape[0] // group_size, *grad.shape[1:]).sum(0) / group_size

@@ -16,6 +16,7 @@ from .choose_schedule import choose_schedule
 from .propagate_placements import propagate_placements
 from .reduce_gradients import reduce_gradients
 from .reorder_for_overlap import reorder_for_overlap
+from .shard_experts import shard_experts
 from .split_backward import split_backward
 from .split_stages import split_stages
 from .unshard_parameters import unshard_parameters
@@ -23,6 +24,7 @@ from .unshard_parameters import unshard_parameters
 Pass = Callable[[TrainingDAG, Strategy], TrainingDAG]
 
 PIPELINE: tuple[Pass, ...] = (
+    shard_experts,           # EP: local expert blocks; all-to-all dispatch / combine at EP region boundaries
     unshard_parameters,      # ZeRO: parameter all-gathers (per step, or per use and again in backward)
     reduce_gradients,        # DP/ZeRO: gradient all-reduce / reduce-scatter, averaged over dp
     propagate_placements,    # DTensor-style spec on every node (descriptive)

@@ -39,3 +39,24 @@ def pp_group_name(strategy: Strategy) -> str | None:
     if strategy.pp == 1:
         return None
     return _device_mesh(strategy.pp, strategy.dp).get_group("pp").group_name
+
+
+@functools.lru_cache(maxsize=None)
+def _expert_mesh(pp: int, dp: int, ep: int) -> DeviceMesh:
+    # Data-parallel index d = replica * ep + ep_index: the ep ranks sharing out
+    # the experts are consecutive, as in torchtitan (ep borrows the inner dp ranks).
+    return init_device_mesh("cpu", (pp, dp // ep, ep), mesh_dim_names=("pp", "expert_dp", "ep"))
+
+
+def ep_group_name(strategy: Strategy) -> str | None:
+    """Name of this rank's expert-parallel group (the ranks that share out the experts), or None when ep == 1."""
+    if strategy.ep == 1:
+        return None
+    return _expert_mesh(strategy.pp, strategy.dp, strategy.ep).get_group("ep").group_name
+
+
+def expert_replica_group_name(strategy: Strategy) -> str | None:
+    """Name of the group of ranks holding the same expert shard (one per ep group), or None when alone."""
+    if strategy.ep == 1 or strategy.dp == strategy.ep:
+        return None
+    return _expert_mesh(strategy.pp, strategy.dp, strategy.ep).get_group("expert_dp").group_name

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,7 @@ class ShardedParameter:
     fqns: tuple[str, ...]
     layout: RowShardLayout
     group_name: str
+    mesh_dim: str = "dp"  # "dp": a ZeRO shard; "ep": a block of experts (sharding.experts)
 
 
 # Kept on the shard Parameter itself, so it follows the object (and its deepcopies).
@@ -116,8 +118,9 @@ class Unshard(nn.Module):
         return unshard(shard, self.full_shape, self.group_name)
 
 
-def shard_parameters(model: nn.Module, group_name: str, group_size: int, group_rank: int) -> None:
-    """Replace every parameter of `model` by its row shard, in place.
+def shard_parameters(model: nn.Module, group_name: str, group_size: int, group_rank: int,
+                     keep: Callable[[nn.Parameter], bool] = lambda p: False) -> None:
+    """Replace every parameter of `model` but those `keep` selects by its row shard, in place.
 
     Tied parameters (one `Parameter` held by several modules) stay tied: they
     get one shard, parametrized in every module that holds it.
@@ -131,7 +134,7 @@ def shard_parameters(model: nn.Module, group_name: str, group_size: int, group_r
                 f"module {module_name or '<root>'} already has a parametrization; "
                 "piper_fx cannot shard it (prepare was called twice, or the model uses one of its own)")
         for name, p in module._parameters.items():
-            if p is None or (id(module), name) in seen:
+            if p is None or (id(module), name) in seen or keep(p):
                 continue
             seen.add((id(module), name))
             fqn = f"{module_name}.{name}" if module_name else name
