@@ -2,12 +2,15 @@
 
     python examples/train_gpt.py                  # 4 ranks: pp=2 x dp=2, ZeRO-3, 1F1B
     python examples/train_gpt.py --nproc 2 --strategy examples/strategies/pp2_dualpipev.json
+    python examples/train_gpt.py --experts 4 --strategy examples/strategies/pp2_dp2_ep2_dualpipev.json
     torchrun --nproc-per-node 2 examples/train_gpt.py --strategy examples/strategies/zero3.json
 
 Run plainly, it spawns `--nproc` ranks itself (gloo, file rendezvous); under
 torchrun (RANK and WORLD_SIZE set) it is one rank. Each rank trains on its
 data-parallel shard of the global batch (pipelines split it further into
-microbatches, one `piper_fx.annotate("PP")` region per transformer block);
+microbatches, one `piper_fx.annotate("PP")` region per transformer block;
+with `--experts`, every block's MLP is a mixture of experts whose expert
+computation is a `piper_fx.annotate("EP")` region, shared out over `mesh.ep`);
 rank 0 reports the loss averaged over ranks, then a summary per rank (step
 time, compute, exposed communication, bytes per collective, peak memory),
 writes the ranks' merged Chrome trace of the last step to the debug
@@ -69,6 +72,8 @@ def parse_args() -> argparse.Namespace:
                         help="JSON file of piper_fx options (examples/strategies/ has one per preset)")
     parser.add_argument("--n-layer", type=positive_int, default=2,
                         help="transformer blocks (raised to the number of pipeline stages)")
+    parser.add_argument("--experts", type=int, default=0,
+                        help="experts per MoE layer (top-2 routed); 0 for the dense GPT")
     parser.add_argument("--steps", type=positive_int, default=300)
     parser.add_argument("--debug-dir", default="piper_debug", help="where piper_fx writes its debug dumps")
     parser.add_argument("--codegen", choices=["inductor", "eager"], help="overrides the strategy's codegen")
@@ -131,11 +136,15 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     # One PP region per block, so each stage of the pipeline holds whole blocks.
     stages = strategy.pp * strategy.stages_per_rank
     cfg = GPTConfig(vocab_size=len(tokenizer), block_size=args.block_size, n_layer=max(args.n_layer, stages),
-                    n_head=4, n_embd=64)
+                    n_head=4, n_embd=64, n_expert=args.experts)
     torch.manual_seed(0)  # every rank builds the same initial weights
     model = GPT(cfg)
     if strategy.pp > 1:
         model.block_context = lambda: piper_fx.annotate("PP")
+    if args.experts:
+        model.expert_context = lambda: piper_fx.annotate("EP")
+        for experts in model.experts():
+            piper_fx.mark_experts(experts)
     piper_fx.prepare(model, options)
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     step = torch.compile(model, backend="piper", options=options)

@@ -39,8 +39,12 @@ def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: Deb
     def after_pass(index: int, name: str, dag: TrainingDAG) -> None:
         if not dump.enabled:
             return
-        if dag.tasks:
-            text = "\n".join(f"# ---- task {t.name}\n{t.graph.print_readable(print_output=False)}" for t in dag.tasks)
+        tasks = {t.name: t for t in dag.tasks}
+        for program in dag.programs.values():  # and the fused tasks of overlapped pairs
+            tasks.update(program.tasks)
+        if tasks:
+            text = "\n".join(f"# ---- task {t.name}\n{t.graph.print_readable(print_output=False)}"
+                             for t in tasks.values())
         else:
             text = dag.joint.print_readable(print_output=False)
         dump.write(f"passes/{index + 2:02d}_{name}.py", text)

@@ -88,12 +88,24 @@ class Task:
 
 @dataclass(frozen=True)
 class Run:
+    """Run a task for a microbatch. An overlapped pair (DualPipe's F&B) is one
+    `Run` of the fused task of both, whose `parts` say which task and
+    microbatch each half computes (its values are keyed by them)."""
+
     task: str
     microbatch: int | None  # None: a once-per-step task (prologue, epilogue)
+    parts: tuple["Run", ...] = ()
+
+    @property
+    def runs(self) -> tuple["Run", ...]:
+        """The (task, microbatch) runs this computes: itself, or the parts of a fused pair."""
+        return self.parts or (self,)
 
     @property
     def label(self) -> str:
-        """`F0.3`: the task and microbatch, as the schedule names the action."""
+        """`F0.3` (the task and microbatch, as the schedule names the action), or `F0.3&B3.1` for a pair."""
+        if self.parts:
+            return "&".join(part.label for part in self.parts)
         return self.task + ("" if self.microbatch is None else f".{self.microbatch}")
 
     def __str__(self) -> str:
@@ -141,11 +153,16 @@ _COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_into_te
                      "all_to_all_single": "all_to_all"}
 
 
-def collective_kind(node: fx.Node) -> str | None:
-    """`all_gather`, `reduce_scatter`, `all_reduce` or `all_to_all` for a functional collective's node."""
-    if node.op != "call_function" or getattr(node.target, "namespace", "") != "_c10d_functional":
+def collective_op_kind(op) -> str | None:
+    """`all_gather`, `reduce_scatter`, `all_reduce` or `all_to_all` for a functional collective op, else None."""
+    if getattr(op, "namespace", "") != "_c10d_functional":
         return None
-    return _COLLECTIVE_KINDS.get(node.target.__name__.split(".")[0])
+    return _COLLECTIVE_KINDS.get(op.__name__.split(".")[0])
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """The kind of a functional collective's node (`collective_op_kind`), else None."""
+    return collective_op_kind(node.target) if node.op == "call_function" else None
 
 
 def _nbytes(val) -> int:
@@ -190,7 +207,7 @@ class RankProgram:
                     counts[kind] = counts.get(kind, 0) + _nbytes(node.args[0].meta["val"])
         total: dict[str, int] = {}
         for instruction in self.instructions:
-            if isinstance(instruction, Run):
+            if isinstance(instruction, Run):  # a fused pair's task holds both halves' collectives
                 for kind, nbytes in per_task[instruction.task].items():
                     total[kind] = total.get(kind, 0) + nbytes
             elif isinstance(instruction, Send):

@@ -121,11 +121,12 @@ def _plan(schedule: str) -> dict:
     built = schedules.build(schedule, 4, 8, 2 if schedule == "dualpipev" else 1)
     sends = {(r, i.peer, i.tag) for r, p in programs.items() for i in p.instructions if isinstance(i, Send)}
     recvs = {(i.peer, r, i.tag) for r, p in programs.items() for i in p.instructions if isinstance(i, Recv)}
-    report = {"unmatched": len(sends ^ recvs), "pairs": 0, "pair_inputs_late": [], "posted_ahead": 0,
+    report = {"unmatched": len(sends ^ recvs), "pairs": 0, "fused": 0, "pair_inputs_late": [], "posted_ahead": 0,
               "received": 0, "summed_grads": {}}
     for rank, program in programs.items():
-        runs = [(k, i) for k, i in enumerate(program.instructions) if isinstance(i, Run)]
+        runs = [(k, run) for k, i in enumerate(program.instructions) if isinstance(i, Run) for run in i.runs]
         position = {(i.task[0], i.task[1:], i.microbatch): k for k, i in runs}
+        report["fused"] += sum(1 for i in program.instructions if isinstance(i, Run) and len(i.runs) == 2)
         received_at = {(i.value, i.microbatch): k for k, i in enumerate(program.instructions) if isinstance(i, Recv)}
         for group in built.steps(rank):
             if len(group) != 2:
@@ -143,7 +144,7 @@ def _plan(schedule: str) -> dict:
             for name in task.inputs:
                 if (name, instruction.microbatch) in received_at:
                     report["received"] += 1
-                    previous_run = max((j for j, _ in runs if j < k), default=-1)
+                    previous_run = max((j for j, _ in runs if j < k), default=-1)  # the instruction before
                     report["posted_ahead"] += received_at[(name, instruction.microbatch)] < previous_run
         report["summed_grads"][rank] = sum(1 for i in program.instructions if isinstance(i, Recv) and i.accumulate)
     return report
@@ -154,7 +155,8 @@ def test_programs_run_pairs_with_their_receives_posted_ahead(schedule):
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         report = pool.apply(_plan, (schedule,))
     assert report["unmatched"] == 0  # every send has its receive on the peer
-    assert report["pairs"] > 0 and report["pair_inputs_late"] == []  # a pair's receives precede both its runs
+    assert report["pairs"] > 0 and report["pair_inputs_late"] == []  # a pair's receives precede its run
+    assert report["fused"] == report["pairs"]  # each pair runs as one fused task
     # Receives are posted a step ahead, so they arrive while the previous step computes.
     assert report["posted_ahead"] >= 0.8 * report["received"], report
     if schedule == "dualpipe":  # every rank sums its gradients with the other copy's, and the loss

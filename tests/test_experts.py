@@ -70,3 +70,48 @@ def test_bad_expert_parallel_setups_are_config_errors():
     assert errors["indivisible"][0] == "mesh.ep" and "number of experts" in errors["indivisible"][1], errors
     assert errors["unannotated"][0] == "mesh.ep" and "annotate('EP')" in errors["unannotated"][1], errors
     assert errors["unmarked"][0] == "mesh.ep" and "mark_experts" in errors["unmarked"][1], errors
+
+
+def _plan_dualpipev_with_experts(overlap: bool) -> dict:
+    """pp=2 x dp=8 with ep=4 and DualPipeV on a fake process group: where each all-to-all runs."""
+    import torch
+
+    from piper_fx.ir import Run, collective_kind
+    from training import plan_all_ranks
+
+    options = {"mesh": {"pp": 2, "dp": 8, "ep": 4}, "codegen": "eager", "overlap": overlap,
+               "pipeline": {"schedule": "dualpipev", "microbatches": 4}}
+    programs, _ = plan_all_ranks(options, world=16, n_layer=4, batch_rows=8, experts=EXPERTS)
+    matmuls = (torch.ops.aten.bmm.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    report = {"ranks": len(programs), "a2a_per_task": {}, "fused": 0, "a2a_in_pairs": 0, "a2a_overlapped": 0}
+    for program in programs.values():
+        for task in program.tasks.values():
+            nodes = list(task.graph.graph.nodes)
+            starts = [n for n in nodes if collective_kind(n) == "all_to_all"]
+            if "&" not in task.name:
+                report["a2a_per_task"][task.name] = len(starts)
+                continue
+            report["fused"] += 1
+            for start in starts:  # a matmul not waiting for it runs between its issue and its wait
+                wait = next(iter(start.users))
+                between = nodes[nodes.index(start) + 1:nodes.index(wait)]
+                dependent = {start}
+                for node in between:
+                    if any(i in dependent for i in node.all_input_nodes):
+                        dependent.add(node)
+                report["a2a_in_pairs"] += 1
+                report["a2a_overlapped"] += any(n.target in matmuls and n not in dependent for n in between)
+        assert any(isinstance(i, Run) and i.parts for i in program.instructions)
+    return report
+
+
+def test_dualpipev_pairs_overlap_one_microbatchs_all_to_all_with_the_others_compute():
+    import multiprocessing
+    # A fresh process per plan: each makes (and destroys) its own fake process group.
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        on, off = pool.map(_plan_dualpipev_with_experts, (True, False), chunksize=1)
+    assert on["ranks"] == 16
+    # One MoE block per stage: a dispatch and a combine in forward, and again in backward.
+    assert on["a2a_per_task"]["F0"] == 2 and on["a2a_per_task"]["B0"] == 2, on
+    assert on["fused"] > 0 and on["a2a_overlapped"] == on["a2a_in_pairs"] > 0, on
+    assert off["a2a_overlapped"] < off["a2a_in_pairs"], off  # one half after the other: exposed

@@ -12,6 +12,7 @@ def _check_times(stats):
     # Compute and waits are disjoint parts of the step (the rest is the runtime's own bookkeeping).
     assert stats["compute_s"] + stats["comm_wait_s"] <= stats["step_s"] * 1.001, stats
     assert stats["exposed_comm_fraction"] == pytest.approx(stats["comm_wait_s"] / stats["step_s"])
+    assert sum(stats["comm_wait_s_by_kind"].values()) == pytest.approx(stats["comm_wait_s"])
 
 
 def test_ddp_all_reduces_every_gradient_byte_once_per_step():
@@ -38,12 +39,17 @@ def test_zero3_stats_count_gathers_in_forward_and_backward_and_the_trace_is_writ
         for events in (trace["traceEvents"], run["trace"]["traceEvents"]):
             spans = [e for e in events if e["ph"] == "X"]
             assert {e["name"] for e in spans if e["cat"] == "compute"} == {"F0.0", "B0.0"}  # as in the schedule
-            assert any(e["cat"] == "comm wait" and e["name"] == "wait_tensor" for e in spans)
+            assert any(e["cat"] == "comm wait" and e["name"] == "wait all_gather" for e in spans)
+            # Each collective in flight is on the comm lane, from its issue to the end of its wait.
+            assert {e["name"] for e in spans if e["cat"] == "comm"} == {"all_gather", "reduce_scatter"}
             assert {e["pid"] for e in spans} == {rank}
 
 
 def test_profile_times_collective_waits_inside_inductor_tasks():
     for run in run_ranks(stats_worker, 2, {"zero": 3, "codegen": "inductor", "profile": True}, 2):
         _check_times(run["stats"][-1])
-        waits = [e for e in run["trace"]["traceEvents"] if e.get("name") == "wait_tensor"]
+        waits = [e for e in run["trace"]["traceEvents"] if e.get("name") == "wait all_gather"]
         assert waits and all(e["cat"] == "comm wait" for e in waits)
+        in_flight = [e for e in run["trace"]["traceEvents"] if e.get("cat") == "comm"]
+        assert {e["name"] for e in in_flight} == {"all_gather", "reduce_scatter"}
+        assert run["stats"][-1]["comm_wait_s_by_kind"]["all_gather"] > 0

@@ -264,9 +264,10 @@ def one_step_with_dumps_worker(rank: int, world: int, options: dict) -> None:
     torch.compile(model, backend="piper", options=options)(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]).backward()
 
 
-def plan_all_ranks(options: dict, world: int, n_layer: int, batch_rows: int) -> tuple[dict, float]:
+def plan_all_ranks(options: dict, world: int, n_layer: int, batch_rows: int, experts: int = 0) -> tuple[dict, float]:
     """Every rank's program for `options`, planned in this process on a fake process group of
-    `world` ranks from one capture of the example GPT (with PP regions): (programs, seconds)."""
+    `world` ranks from one capture of the example GPT (with PP regions; with `experts`, MoE
+    blocks whose experts are EP regions): (programs, seconds)."""
     import time
 
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -278,8 +279,12 @@ def plan_all_ranks(options: dict, world: int, n_layer: int, batch_rows: int) -> 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=False))
+        model = GPT(GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=False, n_expert=experts))
         model.block_context = lambda: piper_fx.annotate("PP")
+        if experts:
+            model.expert_context = lambda: piper_fx.annotate("EP")
+            for module in model.experts():
+                piper_fx.mark_experts(module)
         piper_fx.prepare(model, options)
         captured = {}
 

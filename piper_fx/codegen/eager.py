@@ -6,8 +6,8 @@ import copy
 import torch
 from torch.fx.graph import _BoxedCodeGen
 
-from ..ir import Task
-from ..runtime.timing import timed_wait
+from ..ir import Task, collective_op_kind
+from ..runtime.timing import timed_collective, timed_wait
 
 
 def compile_task(task: Task, time_waits: bool = False):
@@ -17,7 +17,12 @@ def compile_task(task: Task, time_waits: bool = False):
     # local after its last use, so values die inside the task, not at its end.
     gm.graph.set_codegen(_BoxedCodeGen())
     if time_waits:
-        for node in gm.graph.find_nodes(op="call_function", target=torch.ops._c10d_functional.wait_tensor.default):
-            node.target = timed_wait  # the same wait, timed as exposed communication
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is torch.ops._c10d_functional.wait_tensor.default:
+                node.target = timed_wait  # the same wait, timed as exposed communication
+            elif collective_op_kind(node.target) is not None:
+                node.target = timed_collective(node.target)  # the same collective, its issue time noted
     gm.recompile()
     return gm.forward, gm.code

@@ -13,6 +13,7 @@ from ..options import Strategy
 from .bucket_collectives import bucket_collectives
 from .build_rank_programs import build_rank_programs
 from .choose_schedule import choose_schedule
+from .fuse_overlapped_pairs import fuse_overlapped_pairs
 from .propagate_placements import propagate_placements
 from .reduce_gradients import reduce_gradients
 from .reorder_for_overlap import reorder_for_overlap
@@ -34,6 +35,7 @@ PIPELINE: tuple[Pass, ...] = (
     bucket_collectives,      # per task: adjacent collectives -> buckets of at most bucket_mb
     reorder_for_overlap,     # per task: waits sunk to first use, ZeRO-3 gathers prefetched
     build_rank_programs,     # schedule + tasks -> each rank's program (with send/recv)
+    fuse_overlapped_pairs,   # DualPipe's F&B pairs -> one task each, interleaved at their collective waits
 )
 
 

@@ -7,7 +7,9 @@ Guarantees: `dag.programs[r]` is the program of every rank r sharing this
 rank's data-parallel index (the whole pipeline of its replica): for each step
 of the rank's schedule row (an action, or an overlapped F&B pair), a `Recv` of
 every input produced on another pipeline rank, then `Run(task, microbatch)`
-and a `Send` of every output read on another pipeline rank. Receives are
+(for a pair, one `Run` of the fused task named `F<s>&B<t>`, with both halves
+as its `parts`; `fuse_overlapped_pairs` makes that task) and a `Send` of every
+output read on another pipeline rank. Receives are
 posted one step ahead (a pair's both before either runs), so they arrive while
 the rank computes. A stage's prologue runs before its first action and its
 epilogue after its last.
@@ -112,8 +114,8 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
                     received.add((name, m))
             return out
 
-        def run_and_send(task: Task, microbatch: int | None) -> list[Instruction]:
-            out: list[Instruction] = [Run(task.name, microbatch)]
+        def sends(task: Task, microbatch: int | None) -> list[Instruction]:
+            out: list[Instruction] = []
             for name in task.outputs:
                 if name in accumulated:
                     continue  # complete only after the last microbatch; read by this rank's epilogue
@@ -127,9 +129,16 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
                 out.extend(Send(name, m, global_rank(p), tag(name, m), nbytes(name)) for p in sorted(peers))
             return out
 
+        def run_and_send(planned: list[tuple[Task, int | None]]) -> list[Instruction]:
+            """One task's run, or an overlapped pair's fused run, then the sends of what they made."""
+            runs = [Run(task.name, m) for task, m in planned]
+            run = runs[0] if len(runs) == 1 else Run("&".join(r.task for r in runs), None, tuple(runs))
+            return [run] + [send for task, m in planned for send in sends(task, m)]
+
         # Each schedule step (an action or an overlapped pair, with the stage's
         # prologue before its first action and its epilogue after its last) as
-        # (receives, runs and sends).
+        # (receives, runs and sends). A pair's two tasks run as one fused task
+        # (pass `fuse_overlapped_pairs`), after both prologues and before both epilogues.
         steps: list[tuple[list[Instruction], list[Instruction]]] = []
         row = schedule.actions[pp_rank]
         first = {}
@@ -139,21 +148,21 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
             last[action.stage] = index
         index = 0
         for group in schedule.steps(pp_rank):
-            recvs: list[Instruction] = []
-            runs: list[Instruction] = []
+            before, actions, after = [], [], []
             for action in group:
                 stage = schedule.model_stage(action.stage)
-                planned = []
                 if first[action.stage] == index and (stage, TaskKind.P) in tasks:
-                    planned.append((tasks[(stage, TaskKind.P)], None))
+                    before.append((tasks[(stage, TaskKind.P)], None))
                 if (stage, TaskKind(action.kind)) in tasks:
-                    planned.append((tasks[(stage, TaskKind(action.kind))], action.microbatch))
+                    actions.append((tasks[(stage, TaskKind(action.kind))], action.microbatch))
                 if last[action.stage] == index and (stage, TaskKind.E) in tasks:
-                    planned.append((tasks[(stage, TaskKind.E)], None))
-                for task, m in planned:
-                    recvs += receives(task, m)
-                    runs += run_and_send(task, m)
+                    after.append((tasks[(stage, TaskKind.E)], None))
                 index += 1
+            recvs = [r for task, m in before + actions + after for r in receives(task, m)]
+            runs = [i for item in before for i in run_and_send([item])]
+            if actions:
+                runs += run_and_send(actions)
+            runs += [i for item in after for i in run_and_send([item])]
             steps.append((recvs, runs))
         instructions: list[Instruction] = list(steps[0][0]) if steps else []
         for k, (_, runs) in enumerate(steps):
@@ -172,7 +181,7 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
                                  for p in ranks_running(producer[name].stage) if p != pp_rank]
 
         rank = global_rank(pp_rank)
-        run_tasks = {i.task for i in instructions if isinstance(i, Run)}
+        run_tasks = {run.task for i in instructions if isinstance(i, Run) for run in i.runs}
         dag.programs[rank] = RankProgram(
             rank=rank,
             tasks={t.name: t for t in dag.tasks if t.name in run_tasks},

@@ -31,7 +31,7 @@ def around_tasks(*contexts) -> Iterator[None]:
 
 def _reads(program: RankProgram, instruction) -> list[Key]:
     if isinstance(instruction, Run):
-        return [program.key(n, instruction.microbatch) for n in program.tasks[instruction.task].inputs]
+        return [program.key(n, run.microbatch) for run in instruction.runs for n in program.tasks[run.task].inputs]
     if isinstance(instruction, Send) or (isinstance(instruction, Recv) and instruction.accumulate):
         return [program.key(instruction.value, instruction.microbatch)]
     return []
@@ -103,7 +103,7 @@ class _Receiving:
 
     def wait(self, timeline: StepTimeline) -> torch.Tensor:
         try:
-            with timeline.span(f"recv {self.instruction.value}", COMM_WAIT):
+            with timeline.span(f"recv {self.instruction.value}", COMM_WAIT, "recv"):
                 self.work.wait()
         except Exception as e:
             raise RuntimeError(f"piper_fx rank {self.rank}: receiving {self.instruction.value} from rank "
@@ -121,7 +121,9 @@ def last_step_stats() -> dict:
     - `step_s`: wall time of the program; `compute_s`: time in tasks, less the
       collective waits inside them; `comm_wait_s`: time blocked on
       communication (receives, collectives' waits, sends at the end), i.e. the
-      exposed communication, and `exposed_comm_fraction` = comm_wait_s / step_s.
+      exposed communication, and `exposed_comm_fraction` = comm_wait_s / step_s;
+      `comm_wait_s_by_kind` splits comm_wait_s by what was waited for
+      (`all_to_all`, `all_gather`, ..., `recv`, `send`).
       Waits inside tasks are timed only with the option `profile`; without
       it they count as compute;
     - `comm_bytes`: bytes this rank contributes per collective kind
@@ -207,16 +209,15 @@ class ProgramExecutor:
                 values.pop(key, None)
         for key in list(receiving):
             arrive(key)
-        with timeline.span("sends in flight", COMM_WAIT):
+        with timeline.span("sends in flight", COMM_WAIT, "send"):
             for work in pending_sends:
                 work.wait()
         return {name: values[(name, None)] for name in program.outputs if (name, None) in values}, peak
 
     def _run_task(self, instruction: Run, values: dict[Key, torch.Tensor], index: int) -> None:
         program = self.program
-        task = program.tasks[instruction.task]
-        m = instruction.microbatch
-        args = [values[program.key(name, m)] for name in task.inputs]
+        args = [values[program.key(name, run.microbatch)] for run in instruction.runs
+                for name in program.tasks[run.task].inputs]
         # Drop our references first, so the boxed task frees each input at its last use.
         for key in self.drop_after[index]:
             values.pop(key, None)
@@ -224,13 +225,16 @@ class ProgramExecutor:
             with contextlib.ExitStack() as stack:
                 for context in _TASK_CONTEXTS.get():
                     stack.enter_context(context)
-                results = self.compiled[task.name](args)
+                results = self.compiled[instruction.task](args)
         except Exception as e:
-            raise RuntimeError(f"piper_fx rank {program.rank}: task {task.name} (microbatch {m}) failed: {e}") from e
+            raise RuntimeError(f"piper_fx rank {program.rank}: task {instruction.label} failed: {e}") from e
         del args
-        for name, value in zip(task.outputs, results):
-            if name in program.accumulated:
-                previous = values.get((name, None))
-                values[(name, None)] = value if previous is None else previous + value
-            else:
-                values[program.key(name, m)] = value
+        results = iter(results)
+        for run in instruction.runs:  # a fused pair returns its first half's outputs, then its second's
+            for name in program.tasks[run.task].outputs:
+                value = next(results)
+                if name in program.accumulated:
+                    previous = values.get((name, None))
+                    values[(name, None)] = value if previous is None else previous + value
+                else:
+                    values[program.key(name, run.microbatch)] = value

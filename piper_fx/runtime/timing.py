@@ -5,13 +5,17 @@ task run on the "compute" lane, and every time the rank blocks on a transfer
 on the "comm wait" lane: a receive's arrival, the sends still in flight at the
 end, and the waits of collectives inside compiled tasks. Time blocked waiting
 is the exposed communication: what overlapping failed to hide. Compute is the
-tasks' time minus the waits inside them.
+tasks' time minus the waits inside them. The "comm" lane shows each
+collective of a task in flight, from its issue to the end of its wait, so
+the trace shows what it overlapped (e.g. a DualPipe pair's all-to-all under
+the other half's compute).
 
-In-task waits are timed only with the option `profile` (otherwise they count
-as the task's compute): eager task graphs then call `timed_wait` in place of
+In-task collectives are timed only with the option `profile` (otherwise their
+waits count as the task's compute): eager task graphs then call
+`timed_collective` and `timed_wait` in place of the collectives and
 `wait_tensor`, and Inductor-compiled tasks run under `WaitTimer`, a dispatch
-mode that times `wait_tensor` and passes every other op through (the compiled
-C++ kernels never reach it, but each extern call pays a Python call).
+mode that does the same and passes every other op through (the compiled C++
+kernels never reach it, but each extern call pays a Python call).
 """
 from __future__ import annotations
 
@@ -23,8 +27,10 @@ from typing import Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-COMPUTE, COMM_WAIT = "compute", "comm wait"
-_LANES = {COMPUTE: 0, COMM_WAIT: 1}
+from ..ir import collective_op_kind
+
+COMPUTE, COMM, COMM_WAIT = "compute", "comm", "comm wait"
+_LANES = {COMPUTE: 0, COMM: 1, COMM_WAIT: 2}
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
@@ -35,6 +41,7 @@ class Span:
     start_ns: int
     end_ns: int
     inside_task: bool = False
+    kind: str | None = None  # what was waited for: a collective kind, "recv" or "send"
 
 
 @dataclass
@@ -46,7 +53,7 @@ class StepTimeline:
     _task_depth: int = 0
 
     @contextlib.contextmanager
-    def span(self, name: str, lane: str) -> Iterator[None]:
+    def span(self, name: str, lane: str, kind: str | None = None) -> Iterator[None]:
         start = time.time_ns()
         if lane == COMPUTE:
             self._task_depth += 1
@@ -55,15 +62,19 @@ class StepTimeline:
         finally:
             if lane == COMPUTE:
                 self._task_depth -= 1
-            self.spans.append(Span(name, lane, start, time.time_ns(), inside_task=self._task_depth > 0))
+            self.spans.append(Span(name, lane, start, time.time_ns(), self._task_depth > 0, kind))
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict:
         tasks = sum(s.end_ns - s.start_ns for s in self.spans if s.lane == COMPUTE)
-        waits = sum(s.end_ns - s.start_ns for s in self.spans if s.lane == COMM_WAIT)
-        waits_in_tasks = sum(s.end_ns - s.start_ns for s in self.spans if s.lane == COMM_WAIT and s.inside_task)
+        waits = [s for s in self.spans if s.lane == COMM_WAIT]
+        waited = sum(s.end_ns - s.start_ns for s in waits)
+        waits_in_tasks = sum(s.end_ns - s.start_ns for s in waits if s.inside_task)
+        by_kind: dict[str, float] = {}
+        for s in waits:
+            by_kind[s.kind or "other"] = by_kind.get(s.kind or "other", 0.0) + (s.end_ns - s.start_ns) / 1e9
         step = (self.end_ns or time.time_ns()) - self.start_ns
-        return {"step_s": step / 1e9, "compute_s": (tasks - waits_in_tasks) / 1e9, "comm_wait_s": waits / 1e9,
-                "exposed_comm_fraction": waits / step if step else 0.0}
+        return {"step_s": step / 1e9, "compute_s": (tasks - waits_in_tasks) / 1e9, "comm_wait_s": waited / 1e9,
+                "exposed_comm_fraction": waited / step if step else 0.0, "comm_wait_s_by_kind": by_kind}
 
     def chrome_trace(self) -> dict:
         """The step as a Chrome / Perfetto trace (open in ui.perfetto.dev or chrome://tracing)."""
@@ -88,19 +99,43 @@ def recording(timeline: StepTimeline) -> Iterator[StepTimeline]:
         _current[0] = previous
 
 
+# Collectives in flight: the storage of each one's result -> (kind, issue time).
+_in_flight: dict[int, tuple[str, int]] = {}
+
+
+def timed_collective(op):
+    """`op` (a functional collective), noting when it was issued (eager task graphs call this)."""
+    kind = collective_op_kind(op)
+
+    def issue(*args, **kwargs):
+        result = op(*args, **kwargs)
+        if _current[0] is not None:
+            _in_flight[result.untyped_storage().data_ptr()] = (kind, time.time_ns())
+        return result
+    issue.__name__ = issue.__qualname__ = f"timed_{op.__name__.split('.')[0]}"
+    return issue
+
+
 def timed_wait(tensor: torch.Tensor) -> torch.Tensor:
-    """`wait_tensor`, timed on the current step's timeline (eager task graphs call this)."""
+    """`wait_tensor`, timed on the current step's timeline (eager task graphs call this);
+    the collective it ends goes on the comm lane, from its issue to now."""
     timeline = _current[0]
     if timeline is None:
         return _WAIT(tensor)
-    with timeline.span("wait_tensor", COMM_WAIT):
-        return _WAIT(tensor)
+    kind, issued = _in_flight.pop(tensor.untyped_storage().data_ptr(), (None, None))
+    with timeline.span(f"wait {kind or 'collective'}", COMM_WAIT, kind):
+        result = _WAIT(tensor)
+    if issued is not None:
+        timeline.spans.append(Span(kind, COMM, issued, time.time_ns(), True, kind))
+    return result
 
 
 class WaitTimer(TorchDispatchMode):
-    """Times the collective waits of a compiled task; every other op passes straight through."""
+    """Times the collectives of a compiled task; every other op passes straight through."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _WAIT:
             return timed_wait(*args)
+        if collective_op_kind(func) is not None:
+            return timed_collective(func)(*args, **(kwargs or {}))
         return func(*args, **(kwargs or {}))

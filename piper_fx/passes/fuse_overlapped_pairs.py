@@ -1,0 +1,133 @@
+"""Pass: make the fused task of every overlapped F&B pair, interleaving the two at their collectives.
+
+Requires: `dag.programs` from `build_rank_programs`, where an overlapped pair
+(DualPipe's F&B) is one `Run` whose `parts` name its two tasks, and those
+tasks' graphs after `reorder_for_overlap` (each collective's wait just before
+its first use).
+Guarantees: every such `Run`'s task is in its program: one graph computing
+both halves, taking the first half's inputs then the second's and returning
+the first half's outputs then the second's. With `strategy.overlap`, the
+halves interleave: op by op, the half that reaches its next collective
+with the fewest matmuls runs, and no half waits for a collective behind which
+no matmul has run while the other can go on. So each half issues its
+communication early and, while one microbatch's all-to-all (or gather, or
+reduction) is in flight, the other microbatch computes: DualPipe's point,
+done by the graph's order rather than by two streams. Without it, the first half runs whole, then the second. A collective's issue
+order within each half is kept and the fused graph is the same on every rank
+of a group (it is made from the same tasks by this same deterministic pass),
+so collectives stay SPMD-ordered. One fused task serves every pair of the same
+two tasks, whatever their microbatches.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..ir import Run, Task, TrainingDAG, collective_kind
+from ..options import Strategy
+from .split_stages import _MATMULS
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def _is_heavy(node: fx.Node) -> bool:
+    """Compute worth hiding a collective behind: a matmul or an attention."""
+    return node.target in _MATMULS or "scaled_dot_product" in str(node.target)
+
+
+def _interleaved(halves: list[list[fx.Node]]) -> list[tuple[int, fx.Node]]:
+    """(half, node) in run order. The half that reaches its first collective
+    with the fewest matmuls starts, so communication begins early; a half then
+    runs until its next op is the wait of a collective behind which no matmul
+    has run yet, and the other half runs meanwhile. When both must wait, the
+    collective issued first is waited for."""
+    cursors = [0] * len(halves)
+    issued: dict[fx.Node, tuple[int, int]] = {}  # collective -> (matmuls run before it, issue order)
+    heavy_run = 0
+    order: list[tuple[int, fx.Node]] = []
+
+    def pending_wait(half: int) -> fx.Node | None:
+        node = halves[half][cursors[half]]
+        return node.args[0] if node.target is _WAIT and node.args[0] in issued else None
+
+    def blocked(half: int) -> bool:
+        collective = pending_wait(half)
+        return collective is not None and issued[collective][0] == heavy_run
+
+    def matmuls_before_next_collective(half: int) -> float:
+        heavy = 0
+        for k, node in enumerate(halves[half][cursors[half]:]):
+            if collective_kind(node) is not None:
+                return heavy
+            if k and node.target is _WAIT:
+                break
+            heavy += _is_heavy(node)
+        return float("inf")
+
+    current = min(range(len(halves)), key=matmuls_before_next_collective)
+    while True:
+        live = [h for h in range(len(halves)) if cursors[h] < len(halves[h])]
+        if not live:
+            return order
+        ready = [h for h in live if not blocked(h)]
+        if current in ready:
+            half = current
+        elif ready:
+            half = min(ready, key=matmuls_before_next_collective)
+        else:  # every half must wait: the oldest collective first
+            half = min(live, key=lambda h: issued[pending_wait(h)][1])
+        node = halves[half][cursors[half]]
+        cursors[half] += 1
+        order.append((half, node))
+        if collective_kind(node) is not None:
+            issued[node] = (heavy_run, len(issued))
+        heavy_run += _is_heavy(node)
+        current = half
+
+
+def _attribute(module: torch.nn.Module, target: str):
+    for atom in target.split("."):
+        module = getattr(module, atom)
+    return module
+
+
+def fuse_tasks(name: str, parts: list[Task], interleave: bool) -> Task:
+    """One task computing every task of `parts` (whose values may share names)."""
+    graph = fx.Graph()
+    envs: list[dict[fx.Node, fx.Node]] = [{} for _ in parts]
+    for env, task in zip(envs, parts):
+        for node in task.graph.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = graph.placeholder(node.name)  # fx makes repeated names unique
+                env[node].meta = dict(node.meta)
+    halves = [[n for n in task.graph.graph.nodes if n.op not in ("placeholder", "output")] for task in parts]
+    if interleave:
+        order = _interleaved(halves)
+    else:
+        order = [(half, node) for half, nodes in enumerate(halves) for node in nodes]
+    for half, node in order:
+        envs[half][node] = graph.node_copy(node, envs[half].__getitem__)
+    outputs = []
+    for env, task in zip(envs, parts):
+        outputs += [env[n] for n in task.graph.graph.find_nodes(op="output")[0].args[0]]
+    graph.output(tuple(outputs))
+    graph.lint()
+    # Constants the halves read (all from the one joint graph, so a name means one value).
+    attributes = {node.target: _attribute(task.graph, node.target) for task in parts
+                  for node in task.graph.graph.find_nodes(op="get_attr")}
+    first = parts[0]
+    return Task(name, first.kind, first.stage, fx.GraphModule(attributes, graph),
+                inputs=[n for task in parts for n in task.inputs], outputs=[n for task in parts for n in task.outputs])
+
+
+def fuse_overlapped_pairs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
+    fused: dict[str, Task] = {}
+    for program in dag.programs.values():
+        for instruction in program.instructions:
+            if not (isinstance(instruction, Run) and instruction.parts):
+                continue
+            if instruction.task not in fused:
+                parts = [program.tasks[run.task] for run in instruction.parts]
+                fused[instruction.task] = fuse_tasks(instruction.task, parts, strategy.overlap)
+            program.tasks[instruction.task] = fused[instruction.task]
+    return dag
