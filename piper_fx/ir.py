@@ -148,9 +148,12 @@ class Recv:
 
 Instruction = Union[Run, Send, Recv]
 
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
-                     "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
-                     "all_to_all_single": "all_to_all"}
+                     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_out": "reduce_scatter",
+                     "all_reduce": "all_reduce", "all_to_all_single": "all_to_all",
+                     # In-place forms, which Inductor's reinplacing makes of the ones above.
+                     "all_reduce_": "all_reduce"}
 
 
 def collective_op_kind(op) -> str | None:
@@ -222,9 +225,16 @@ class RankProgram:
         for task in self.tasks.values():
             lines.append(f"  {task.name:<6} stage={task.stage} lane={task.lane}  "
                          f"in=[{', '.join(task.inputs)}] out=[{', '.join(task.outputs)}]")
-            for node in task.graph.graph.nodes:
+            ops = [n for n in task.graph.graph.nodes if n.op == "call_function"]
+            position = {n: i for i, n in enumerate(ops)}
+            for node in ops:
                 if collective_kind(node) is not None:
-                    lines.append(f"        collective {node.name}: {node.target}  {node.meta.get('piper_comm', '')}")
+                    # On the comm lane from its issue to its wait: the ops between run under it.
+                    wait = next((u for u in node.users if u.target is _WAIT), None)
+                    span = (f"comm lane: ops {position[node]}..{position[wait]} of {len(ops)}"
+                            if wait is not None else "comm lane")
+                    lines.append(f"        collective {node.name}: {node.target}  {node.meta.get('piper_comm', '')}"
+                                 f"  [{span}]")
         lines.append("instructions:")
         lines.extend(f"  {i:4d}  {instruction}" for i, instruction in enumerate(self.instructions))
         lines.append(f"accumulated: {', '.join(sorted(self.accumulated))}")

@@ -4,7 +4,8 @@ The MoE GPT (4 experts, top-2, sequence-wise balance loss) routes tokens
 unevenly; every rank computes its own block of experts for the tokens of its
 ep group, which reach it and return through all-to-alls.
 """
-import pytest
+import json
+import re
 
 from ranks import run_ranks
 from training import expert_errors_worker, pipeline_worker
@@ -57,12 +58,27 @@ def test_expert_parallel_replicated_over_data_parallel_groups():
     _check(run_ranks(pipeline_worker, 4, configs, deadline_s=500), configs, dp=4, ep=2)
 
 
-def test_expert_parallel_in_pipelines():
-    configs = _configs(
-        _ep(2, 2, mesh={"pp": 2}, pipeline={"schedule": "1f1b", "microbatches": 2}),
-        _ep(2, 2, mesh={"pp": 2}, pipeline={"schedule": "dualpipev", "microbatches": 4}),
-        pp_regions=True, n_layer=4, per_rank_batch=4)
+def test_expert_parallel_in_pipelines(tmp_path):
+    dualpipev = _ep(2, 2, mesh={"pp": 2}, pipeline={"schedule": "dualpipev", "microbatches": 4},
+                    debug_dir=str(tmp_path), profile=True)
+    configs = _configs(_ep(2, 2, mesh={"pp": 2}, pipeline={"schedule": "1f1b", "microbatches": 2}), dualpipev,
+                       pp_regions=True, n_layer=4, per_rank_batch=4)
     _check(run_ranks(pipeline_worker, 4, configs, deadline_s=500), configs, dp=2, ep=2)
+
+    # The dumps show each all-to-all, on the comm lane, and in the trace its time in flight under
+    # the compute of the overlapped pair that issued it.
+    graph_dir = next((tmp_path / "rank0").iterdir())
+    program = (graph_dir / "program.txt").read_text()
+    assert re.search(r"collective all_to_all\w*: .*all_to_all dispatch .*\[comm lane: ops \d+\.\.\d+ of \d+\]",
+                     program), program
+    assert "all_to_all combine" in program and re.search(r"run   F0\.\d&B3\.\d", program), program
+    events = [e for e in json.loads((graph_dir / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    pairs = [e for e in events if e["cat"] == "compute" and "&" in e["name"]]
+    in_flight = [e for e in events if e["cat"] == "comm" and e["name"] == "all_to_all"]
+    assert pairs and in_flight
+    inside_pairs = [a for a in in_flight
+                    if any(p["ts"] <= a["ts"] and a["ts"] + a["dur"] <= p["ts"] + p["dur"] for p in pairs)]
+    assert len(inside_pairs) >= 4 * len(pairs), (len(inside_pairs), len(pairs))  # 2 blocks x dispatch, combine
 
 
 def test_bad_expert_parallel_setups_are_config_errors():

@@ -53,3 +53,6 @@ def test_profile_times_collective_waits_inside_inductor_tasks():
         in_flight = [e for e in run["trace"]["traceEvents"] if e.get("cat") == "comm"]
         assert {e["name"] for e in in_flight} == {"all_gather", "reduce_scatter"}
         assert run["stats"][-1]["comm_wait_s_by_kind"]["all_gather"] > 0
+        # Counted from the planned graphs, whatever Inductor made of the collectives (e.g. in place).
+        assert run["stats"][-1]["comm_bytes"]["all_gather"] >= 2 * run["shard_bytes"], run["stats"][-1]
+        assert run["stats"][-1]["comm_bytes"]["reduce_scatter"] >= run["param_bytes"], run["stats"][-1]
