@@ -52,3 +52,40 @@ def test_expert_parallel_with_inductor(tmp_path):
     for task in ("F0", "B0"):  # the expert dispatch and combine stay inside the compiled graphs
         code = (graph_dir / "codegen" / f"{task}.py").read_text()
         assert "cpp_fused" in code and code.count("all_to_all_single.default(") == 2 * 2, task  # 2 MoE blocks
+
+
+def _compiled_order() -> list[str]:
+    """The generated code of a task that issues an all-to-all, multiplies, then waits."""
+    import re
+
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from piper_fx.codegen.inductor import compile_task
+    from piper_fx.ir import Task, TaskKind
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    c10d = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name
+
+    def task(x, y):
+        exchanged = c10d.all_to_all_single(x, [2, 2], [2, 2], group)
+        z = torch.mm(torch.mm(y, y), y)
+        return (c10d.wait_tensor(exchanged) * 2 + z.sum(),)
+
+    with FakeTensorMode():
+        x, y = torch.randn(4, 8), torch.randn(16, 16)
+    gm = make_fx(task)(x, y)
+    _, source = compile_task(Task("F0", TaskKind.F, 0, gm, ["x", "y"], ["out"]))
+    return [m.group(1) for m in re.finditer(r"(all_to_all_single|wait_tensor|extern_kernels\.mm)(\.default)?\(", source)]
+
+
+def test_inductor_keeps_the_planned_overlap_of_a_collective():
+    import multiprocessing
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        order = pool.apply(_compiled_order)
+    # Inductor's memory reordering would put the wait right after the all-to-all.
+    assert order == ["all_to_all_single", "extern_kernels.mm", "extern_kernels.mm", "wait_tensor"], order

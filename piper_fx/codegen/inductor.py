@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 from torch._guards import TracingContext, tracing
+from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx_inner
 
-from ..ir import Task
+from ..ir import Task, collective_kind
 from ..runtime.timing import WaitTimer
 
 
@@ -21,7 +22,11 @@ def _fake_inputs(task: Task) -> list:
 def compile_task(task: Task, time_waits: bool = False):
     example_inputs = _fake_inputs(task)
     fake_mode = next((v.fake_mode for v in example_inputs if hasattr(v, "fake_mode")), None)
-    with tracing(TracingContext(fake_mode)):
+    # The task's order is the overlap policy (`reorder_for_overlap`, `fuse_overlapped_pairs`):
+    # Inductor's reorder for peak memory does not know collectives run asynchronously and
+    # would move each wait right after its collective, undoing the overlap.
+    has_collectives = any(collective_kind(n) is not None for n in task.graph.graph.nodes)
+    with tracing(TracingContext(fake_mode)), inductor_config.patch(reorder_for_peak_memory=not has_collectives):
         compiled = compile_fx_inner(task.graph, example_inputs)
     source = getattr(compiled, "source_code", None) or task.graph.code
     if time_waits and task.graph.graph.find_nodes(op="call_function",

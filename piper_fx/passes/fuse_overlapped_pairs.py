@@ -25,14 +25,14 @@ import torch.fx as fx
 
 from ..ir import Run, Task, TrainingDAG, collective_kind
 from ..options import Strategy
-from .split_stages import _MATMULS
+from .split_stages import MATMULS
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 def _is_heavy(node: fx.Node) -> bool:
     """Compute worth hiding a collective behind: a matmul or an attention."""
-    return node.target in _MATMULS or "scaled_dot_product" in str(node.target)
+    return node.target in MATMULS or "scaled_dot_product" in str(node.target)
 
 
 def _interleaved(halves: list[list[fx.Node]]) -> list[tuple[int, fx.Node]]:

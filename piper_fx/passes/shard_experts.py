@@ -75,7 +75,7 @@ def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> set[fx.Node]:
         else:
             new, added = _inserted(graph, lambda: insert_traced(
                 graph, functools.partial(fold_expert_grad, group_size=strategy.ep), [source], before=marker,
-                like=marker, decompositions=decompositions, meta={"piper_comm": "fold expert grad"}))
+                like=marker, decompositions=decompositions))
             grad_nodes |= added
             if replicas is not None:
                 phase = {PHASE: STEP_END} if strategy.microbatches > 1 else {}

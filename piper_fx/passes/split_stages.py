@@ -34,7 +34,7 @@ from ..errors import PiperConfigError
 from ..ir import PHASE, STEP_END, STEP_START, InputRole, Task, TaskKind, TrainingDAG, forward_nodes
 from ..options import Strategy
 
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.baddbmm.default}
 
 
@@ -46,7 +46,7 @@ def _tensors(val) -> list[torch.Tensor]:
 def estimated_cost(node: fx.Node) -> float:
     """A rough cost: FLOPs for matmuls and attention, elements written otherwise."""
     outs = _tensors(node.meta.get("val"))
-    if node.target in _MATMULS and outs:
+    if node.target in MATMULS and outs:
         return 2.0 * outs[0].numel() * node.args[-2].meta["val"].shape[-1]  # (.., K) @ (K, ..)
     if "scaled_dot_product" in str(node.target) and outs:
         q = node.args[0].meta["val"]
