@@ -67,6 +67,11 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
         piper_fx.prepare(model, options)
     opt = make_optimizer(optimizer, model.parameters())
     ref_opt = make_optimizer(optimizer, reference.parameters())
+    # Tokens each expert of the reference receives per step: routing is uneven, and parity must hold anyway.
+    expert_loads: list[list[int]] = []
+    for module in (reference.experts() if experts else []):
+        module.register_forward_hook(lambda m, inputs, output: expert_loads.append(
+            (inputs[0].abs().sum(-1) > 0).sum(-1).tolist()))
     step = torch.compile(model, backend="piper", options=options)
 
     loss_errors = []
@@ -97,6 +102,7 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     param_errors = {name: relative_error(full[name], expected[name]) for name in expected}
     return {
         "loss_errors": loss_errors,
+        "expert_loads": expert_loads,
         "param_errors": param_errors,
         "optimizer_state_bytes": optimizer_state_bytes(opt),
         "params_with_state": sorted(name for name, p in model.named_parameters() if p in opt.state),
