@@ -1,6 +1,7 @@
 """Expert parallelism in pipelines: DualPipeV against 1F1B, with the exposed all-to-all time of each.
 
     python benchmarks/expert_parallel.py [--steps 10] [--codegen inductor|eager] [--microbatches 8]
+                                         [--capacity-factor F]
 
 Spawns 4 ranks (gloo on CPU) laid out pp=2 x dp=2 with ep=2, and trains the
 MoE GPT (every block's MLP an MoE layer) with the same data and initial
@@ -64,7 +65,7 @@ def run(rank: int, init_file: str, args, results) -> None:
                             timeout=timedelta(seconds=600))
     torch.set_num_threads(1)
     cfg = GPTConfig(vocab_size=65, block_size=64, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd,
-                    tied_embeddings=False, n_expert=args.experts, top_k=2)
+                    tied_embeddings=False, n_expert=args.experts, top_k=2, capacity_factor=args.capacity_factor)
     runs = {name: build(cfg, schedule, overlap, args) for name, (schedule, overlap) in SCHEDULES.items()}
     samples = {name: [] for name in SCHEDULES}
     dp_index = rank % MESH["dp"]
@@ -102,6 +103,8 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
     parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--capacity-factor", type=float, default=None,
+                        help="expert slots per sequence = F * seq * top_k / experts (default: room for every token)")
     parser.add_argument("--codegen", choices=["inductor", "eager"], default="inductor")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
@@ -118,8 +121,9 @@ def main() -> None:
         return statistics.median(s[key] for rank in everyone for s in rank[name])
 
     tokens = args.per_rank_batch * MESH["dp"] * 64
+    capacity = "room for every token" if args.capacity_factor is None else f"capacity factor {args.capacity_factor}"
     print(f"{WORLD} CPU ranks (gloo), pp=2 x dp=2, ep=2; MoE GPT {args.n_layer}x{args.n_embd}, {args.experts} "
-          f"experts, top-2; {args.microbatches} microbatches; median over ranks of {args.steps} steps after "
+          f"experts, top-2, {capacity}; {args.microbatches} microbatches; median over ranks of {args.steps} steps after "
           f"{WARMUP} warm-up, schedules alternating; codegen {args.codegen}")
     print(f"{'schedule':<22} {'step ms':>8} {'vs 1f1b':>8} {'tok/s':>8} {'a2a exposed ms':>15} "
           f"{'a2a in flight ms':>17} {'exposed comm':>13} {'a2a MB/step':>12} {'loss':>8}")

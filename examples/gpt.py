@@ -5,6 +5,7 @@ Nothing in it knows about piper_fx; the strategy is applied from outside.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ class GPTConfig:
     n_expert: int = 0
     top_k: int = 2
     aux_loss_weight: float = 0.01
+    capacity_factor: float | None = None  # None: room for every token (see MoE)
 
 
 class CausalSelfAttention(nn.Module):
@@ -68,35 +70,47 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Top-k routed experts with a sequence-wise load-balancing loss.
 
-    Tokens are dispatched into one fixed-size buffer per expert, with room for
-    every token (capacity = tokens), so none is ever dropped however unevenly
-    the router spreads them, and shapes stay static. The balance loss is
-    DeepSeek-V3's sequence-wise one: for each sequence, the fraction of its
-    routed slots each expert got times the expert's mean router probability,
-    so the loss of a batch is the mean over its sequences.
+    Tokens are dispatched into one fixed-size buffer per expert (so shapes
+    stay static), in which every sequence has its own `capacity` slots: a
+    sequence's tokens compete only with each other, so what a batch computes
+    is the same whichever batch the sequence is in, and data-parallel training
+    equals single-process training. With `capacity_factor` None the capacity
+    is the sequence length: no token is ever dropped, however unevenly the
+    router spreads them. Otherwise it is capacity_factor * seq * top_k / experts
+    slots (GShard's capacity, per sequence): the choices that overflow an
+    expert are dropped (their slot is a spare row whose result is not used).
+    The balance loss is DeepSeek-V3's sequence-wise one: for each sequence, the
+    fraction of its routed slots each expert got times the expert's mean
+    router probability, so the loss of a batch is the mean over its sequences.
     """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_expert, self.top_k = cfg.n_expert, cfg.top_k
+        self.n_expert, self.top_k, self.capacity_factor = cfg.n_expert, cfg.top_k, cfg.capacity_factor
         self.router = nn.Linear(cfg.n_embd, cfg.n_expert, bias=False)
         self.experts = Experts(cfg)
 
     def forward(self, x: torch.Tensor, expert_context=contextlib.nullcontext) -> tuple[torch.Tensor, torch.Tensor]:
         batch, seq, width = x.shape
+        capacity = seq if self.capacity_factor is None else min(
+            seq, math.ceil(self.capacity_factor * seq * self.top_k / self.n_expert))
         tokens = x.reshape(-1, width)
         probs = self.router(tokens).softmax(-1)
         top_p, expert = probs.topk(self.top_k, dim=-1)
         gates = top_p / top_p.sum(-1, keepdim=True)
-        chosen = F.one_hot(expert.flatten(), self.n_expert)          # (tokens * top_k, experts)
-        slot = ((chosen.cumsum(0) - 1) * chosen).sum(-1)             # place in its expert's buffer
-        expert = expert.flatten()
-        buffer = tokens.new_zeros(self.n_expert, tokens.shape[0], width)
-        buffer = buffer.index_put((expert, slot), tokens.repeat_interleave(self.top_k, 0))
+        chosen = F.one_hot(expert.view(batch, seq * self.top_k), self.n_expert)  # (batch, seq * top_k, experts)
+        slot = ((chosen.cumsum(1) - 1) * chosen).sum(-1)                      # place among its sequence's
+        kept = slot < capacity
+        spare = batch * capacity                                               # the row of dropped choices
+        row = torch.where(kept, torch.arange(batch, device=x.device).unsqueeze(1) * capacity + slot, spare)
+        expert, row, kept = expert.flatten(), row.flatten(), kept.flatten()
+        buffer = tokens.new_zeros(self.n_expert, spare + 1, width)
+        buffer = buffer.index_put((expert, row), tokens.repeat_interleave(self.top_k, 0))
         with expert_context():
             out = self.experts(buffer)
-        y = (out[expert, slot].view(-1, self.top_k, width) * gates.unsqueeze(-1)).sum(1)
-        load = chosen.view(batch, seq * self.top_k, self.n_expert).float().mean(1) * self.n_expert
+        routed = out[expert, row] * (kept.unsqueeze(-1) * gates.reshape(-1, 1))
+        y = routed.view(-1, self.top_k, width).sum(1)
+        load = chosen.float().mean(1) * self.n_expert
         importance = probs.view(batch, seq, self.n_expert).mean(1)
         return y.view(batch, seq, width), (load * importance).sum(-1).mean()
 

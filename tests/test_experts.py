@@ -48,6 +48,8 @@ def _configs(*options, **common):
 
 def test_expert_parallel_over_two_ranks():
     configs = _configs(_ep(2, 2), _ep(2, 2, zero=3))
+    # Capacity 5 of a sequence's 9 tokens per expert: overflowing choices are dropped, alike on both sides.
+    configs += _configs(_ep(2, 2), capacity_factor=1.0)
     results = run_ranks(pipeline_worker, 2, configs, deadline_s=400)
     _check(results, configs, dp=2, ep=2)
     # Optimizer state of the experts is split over the ep group.

@@ -41,7 +41,8 @@ def optimizer_state_bytes(opt) -> int:
 def train_and_compare(rank: int, world: int, options: dict, optimizer: str, steps: int = 5,
                       tied: bool = True, per_rank_batch: int = 2, same_init: bool = True,
                       call_prepare: bool = True, pp_regions: bool = False, n_layer: int = 2,
-                      model: str = "gpt", experts: int = 0, ep_regions: bool = True) -> dict:
+                      model: str = "gpt", experts: int = 0, ep_regions: bool = True,
+                      capacity_factor: float | None = None) -> dict:
     """Train with piper_fx on this rank's shard and, alongside, one model on the global batch.
 
     With `same_init=False` each rank initializes its own model from its own seed;
@@ -49,7 +50,8 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     """
     from models import MODELS, batch
 
-    cfg = GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=tied, n_expert=experts)
+    cfg = GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=tied, n_expert=experts,
+                    capacity_factor=capacity_factor)
     model_fn = MODELS[model] if model in MODELS else (lambda: GPT(cfg))
     batch_fn = batch if model in MODELS else (lambda i, rows: global_batch(i, rows, cfg))
     torch.manual_seed(0)
