@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from ..capture import decompositions_for
 from ..collectives.emit import insert_traced
 from ..collectives.lowering import all_reduce_mean, all_reduce_then_take_rows, reduce_scatter_rows
 from ..ir import PHASE, STEP_END, InputRole, OutputRole, TrainingDAG
 from ..options import Strategy
-
-REDUCE_GRAD = torch.ops.piper.reduce_grad.default
+from ..sharding.row_shard import REDUCE_GRAD
 
 
 def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:

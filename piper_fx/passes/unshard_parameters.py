@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.fx as fx
 
 from ..capture import decompositions_for
@@ -25,8 +24,7 @@ from ..collectives.emit import insert_traced
 from ..collectives.lowering import gather_rows
 from ..ir import PHASE, STEP_START, UNIT, TrainingDAG, forward_nodes
 from ..options import Strategy
-
-UNSHARD = torch.ops.piper.unshard.default
+from ..sharding.row_shard import UNSHARD
 
 
 def _splice_gather(dag: TrainingDAG, strategy: Strategy, marker: fx.Node, *, before: fx.Node,

@@ -103,15 +103,20 @@ def recording(timeline: StepTimeline) -> Iterator[StepTimeline]:
 _in_flight: dict[int, tuple[str, int]] = {}
 
 
+def _issue(kind: str, op, args: tuple, kwargs: dict) -> torch.Tensor:
+    """Run the collective `op`, noting when it was issued."""
+    result = op(*args, **kwargs)
+    if _current[0] is not None:
+        _in_flight[result.untyped_storage().data_ptr()] = (kind, time.time_ns())
+    return result
+
+
 def timed_collective(op):
     """`op` (a functional collective), noting when it was issued (eager task graphs call this)."""
     kind = collective_op_kind(op)
 
     def issue(*args, **kwargs):
-        result = op(*args, **kwargs)
-        if _current[0] is not None:
-            _in_flight[result.untyped_storage().data_ptr()] = (kind, time.time_ns())
-        return result
+        return _issue(kind, op, args, kwargs)
     issue.__name__ = issue.__qualname__ = f"timed_{op.__name__.split('.')[0]}"
     return issue
 
@@ -136,6 +141,7 @@ class WaitTimer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _WAIT:
             return timed_wait(*args)
-        if collective_op_kind(func) is not None:
-            return timed_collective(func)(*args, **(kwargs or {}))
+        kind = collective_op_kind(func)
+        if kind is not None:
+            return _issue(kind, func, args, kwargs or {})
         return func(*args, **(kwargs or {}))

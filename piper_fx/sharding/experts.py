@@ -6,7 +6,8 @@ which they are with `piper_fx.mark_experts(module)`; with `mesh.ep > 1`,
 `prepare` replaces each by the block of experts this rank computes (rank i of
 the ep group holds experts [i*E/ep, (i+1)*E/ep)) and registers a
 parametrization that turns the block back into the full weight with the
-`piper::unshard_experts` op. Dynamo traces that op as a marker; the pass
+`piper::unshard_experts` op. Dynamo traces that op as a marker, distinct from
+ZeRO's `piper::unshard` (whose group may be the very same ranks when ep = dp); the pass
 `shard_experts` lowers it and its backward (`piper::reduce_expert_grad`) to
 the local computation of an expert-parallel layer. Used eagerly (outside
 `torch.compile`, e.g. by `full_state_dict`) the ops gather the experts over

@@ -105,6 +105,10 @@ def _unshard_setup(ctx, inputs, output):
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 
+# The markers Dynamo traces where a shard is read, and where its gradient leaves.
+UNSHARD = torch.ops.piper.unshard.default
+REDUCE_GRAD = torch.ops.piper.reduce_grad.default
+
 
 class Unshard(nn.Module):
     """Parametrization: row shard -> full parameter."""
