@@ -287,6 +287,20 @@ class TrainingDAG:
             spec.name = node.name
 
 
+def add_placeholder(graph: fx.Graph, name: str, meta: dict | None = None) -> fx.Node:
+    """A placeholder named after `name`, made unique in `graph` (FX appends `_1`, ...).
+
+    FX names a placeholder's argument in the generated code by its *target*, not
+    its node name: a graph combining two graphs' inputs (a fused F&B pair whose
+    halves both read `tanh`, of different microbatches) needs both unique, or
+    its code has a duplicate argument.
+    """
+    node = graph.placeholder(name)
+    node.target = node.name
+    node.meta = dict(meta or {})
+    return node
+
+
 def forward_nodes(dag: TrainingDAG) -> set[fx.Node]:
     """Nodes the user-visible outputs depend on: the forward region of the joint graph.
 

@@ -6,3 +6,5 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 # One Inductor cache for every test process: compile time is this machine's cost.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor_cache"))
+# Every pass's output is verified (`piper_fx.verify`), in this process and the ranks it spawns.
+os.environ.setdefault("PIPER_VERIFY", "1")

@@ -45,7 +45,26 @@ class TwoStreams(nn.Module):
         return F.mse_loss(self.head(torch.cat([a, b], dim=-1)), y)
 
 
-MODELS = {"skip": SkipAcrossStages, "two_streams": TwoStreams}
+class CrossStageMLP(nn.Module):
+    """`regions` PP regions; the first region's output is read by every later one,
+    so one value crosses every stage boundary (and several reach the same stage)."""
+
+    def __init__(self, regions: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(regions))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        with piper_fx.annotate("PP"):
+            first = torch.tanh(self.layers[0](x))
+        h = first
+        for layer in self.layers[1:]:
+            with piper_fx.annotate("PP"):
+                h = torch.tanh(layer(h)) + 0.5 * first
+        return F.mse_loss(self.head(h), y)
+
+
+MODELS = {"skip": SkipAcrossStages, "two_streams": TwoStreams, "cross": CrossStageMLP}
 
 
 def batch(step: int, rows: int):

@@ -52,6 +52,9 @@ def test_dualpipe_and_dualpipev_on_two_ranks_and_tied_embeddings():
         {"options": _pp(2, "dualpipe", 6), "pp_regions": True, "per_rank_batch": 6, "steps": 5, "tied": True},
         # Embeddings tied across the first and the last stage, on two pipeline ranks.
         {"options": _pp(2, "1f1b", 2), "per_rank_batch": 4, "steps": 5, "tied": True},
+        # A value crossing every stage boundary: both halves of a fused F&B pair read one (a `tanh`).
+        {"options": _pp(2, "dualpipev", 4), "model": "cross", "per_rank_batch": 4},
+        {"options": _pp(2, "dualpipe", 4), "model": "cross", "per_rank_batch": 4},
     ]
     results = run_ranks(pipeline_worker, 2, configs, deadline_s=500)
     _check(results, configs)
@@ -74,7 +77,8 @@ def test_dualpipev_and_dualpipe_with_data_parallel_zero():
                 "per_rank_batch": 4, "steps": 5},
                # Both copies gather ZeRO-3 shards and reduce-scatter over dp, then sum over the copies.
                {"options": {**_pp(2, "dualpipe", 4, dp=2), "zero": 3}, "pp_regions": True,
-                "per_rank_batch": 4, "steps": 5, "tied": True}]
+                "per_rank_batch": 4, "steps": 5, "tied": True},
+               {"options": {**_pp(2, "dualpipev", 4, dp=2), "zero": 1}, "model": "cross", "per_rank_batch": 4}]
     _check(run_ranks(pipeline_worker, 4, configs, deadline_s=500), configs, dp=2)
 
 

@@ -6,10 +6,11 @@ dumps show the DAG after every one of them.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..ir import TrainingDAG
 from ..options import Strategy
+from ..verify import verification_enabled, verify_dag
 from .bucket_collectives import bucket_collectives
 from .build_rank_programs import build_rank_programs
 from .choose_schedule import choose_schedule
@@ -35,13 +36,23 @@ PIPELINE: tuple[Pass, ...] = (
     bucket_collectives,      # per task: adjacent collectives -> buckets of at most bucket_mb
     reorder_for_overlap,     # per task: waits sunk to first use, ZeRO-3 gathers prefetched
     build_rank_programs,     # schedule + tasks -> each rank's program (with send/recv)
-    fuse_overlapped_pairs,   # DualPipe's F&B pairs -> one task each, interleaved at their collective waits
+    fuse_overlapped_pairs,   # DualPipe's fused F&B pairs: halves interleaved at their collective waits
 )
 
 
-def run_passes(dag: TrainingDAG, strategy: Strategy, after_pass: Callable[[int, str, TrainingDAG], None]) -> TrainingDAG:
-    for index, strategy_pass in enumerate(PIPELINE):
-        dag = strategy_pass(dag, strategy)
+def run_passes(dag: TrainingDAG, strategy: Strategy, after_pass: Callable[[int, str, TrainingDAG], None],
+               pipeline: Sequence[Pass] = PIPELINE) -> TrainingDAG:
+    """Run `pipeline` in order; after each pass, verify the DAG (in debug and test
+    runs: `verify.verification_enabled`) and hand it to `after_pass` (the dumps)."""
+    verify = verification_enabled(strategy)
+    for index, strategy_pass in enumerate(pipeline):
+        try:
+            dag = strategy_pass(dag, strategy)
+        except Exception as e:
+            e.add_note(f"in piper_fx pass {strategy_pass.__name__!r}")  # the type is kept: a PiperError stays one
+            raise
         dag.refresh_output_names()
+        if verify:
+            verify_dag(dag, strategy_pass.__name__)
         after_pass(index, strategy_pass.__name__, dag)
     return dag

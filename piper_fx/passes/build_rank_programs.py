@@ -8,7 +8,8 @@ rank's data-parallel index (the whole pipeline of its replica): for each step
 of the rank's schedule row (an action, or an overlapped F&B pair), a `Recv` of
 every input produced on another pipeline rank, then `Run(task, microbatch)`
 (for a pair, one `Run` of the fused task named `F<s>&B<t>`, with both halves
-as its `parts`; `fuse_overlapped_pairs` makes that task) and a `Send` of every
+as its `parts`: the program holds that task, computing the first half then the
+second; `fuse_overlapped_pairs` may interleave them) and a `Send` of every
 output read on another pipeline rank. Receives are
 posted one step ahead (a pair's both before either runs), so they arrive while
 the rank computes. A stage's prologue runs before its first action and its
@@ -29,6 +30,7 @@ from __future__ import annotations
 from ..ir import (InputRole, Instruction, OutputRole, RankProgram, Recv, Run, Send, Task, TaskKind,
                   TrainingDAG)
 from ..options import Strategy
+from .fuse_overlapped_pairs import fuse_tasks
 
 ONCE_PER_STEP = (TaskKind.P, TaskKind.E)
 
@@ -37,6 +39,7 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     schedule = dag.schedule
     M = strategy.microbatches
     tasks = {(t.stage, t.kind): t for t in dag.tasks}
+    fused: dict[str, Task] = {}  # one fused task per pair of tasks, shared by every rank running it
     joint_nodes = {n.name: n for n in dag.joint.graph.nodes}
     producer: dict[str, Task] = {out: t for t in dag.tasks for out in t.outputs}
     consumers: dict[str, list[Task]] = {}
@@ -137,8 +140,8 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
 
         # Each schedule step (an action or an overlapped pair, with the stage's
         # prologue before its first action and its epilogue after its last) as
-        # (receives, runs and sends). A pair's two tasks run as one fused task
-        # (pass `fuse_overlapped_pairs`), after both prologues and before both epilogues.
+        # (receives, runs and sends). A pair's two tasks run as one fused task,
+        # after both prologues and before both epilogues.
         steps: list[tuple[list[Instruction], list[Instruction]]] = []
         row = schedule.actions[pp_rank]
         first = {}
@@ -182,9 +185,14 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
 
         rank = global_rank(pp_rank)
         run_tasks = {run.task for i in instructions if isinstance(i, Run) for run in i.runs}
+        held = {t.name: t for t in dag.tasks if t.name in run_tasks}
+        for pair in (i for i in instructions if isinstance(i, Run) and i.parts):
+            if pair.task not in fused:
+                fused[pair.task] = fuse_tasks(pair.task, [held[run.task] for run in pair.parts], interleave=False)
+            held[pair.task] = fused[pair.task]
         dag.programs[rank] = RankProgram(
             rank=rank,
-            tasks={t.name: t for t in dag.tasks if t.name in run_tasks},
+            tasks=held,
             instructions=instructions,
             inputs=[i.name for i in dag.inputs],
             per_step=per_step,

@@ -1,29 +1,30 @@
-"""Pass: make the fused task of every overlapped F&B pair, interleaving the two at their collectives.
+"""Pass: interleave the two halves of every overlapped F&B pair's fused task at their collectives.
 
 Requires: `dag.programs` from `build_rank_programs`, where an overlapped pair
-(DualPipe's F&B) is one `Run` whose `parts` name its two tasks, and those
+(DualPipe's F&B) is one `Run` of a fused task (its first half, then its
+second) whose `parts` name the two tasks, held by the program too, and those
 tasks' graphs after `reorder_for_overlap` (each collective's wait just before
 its first use).
-Guarantees: every such `Run`'s task is in its program: one graph computing
-both halves, taking the first half's inputs then the second's and returning
-the first half's outputs then the second's. With `strategy.overlap`, the
-halves interleave: op by op, the half that reaches its next collective
-with the fewest matmuls runs, and no half waits for a collective behind which
-no matmul has run while the other can go on. So each half issues its
-communication early and, while one microbatch's all-to-all (or gather, or
-reduction) is in flight, the other microbatch computes: DualPipe's point,
-done by the graph's order rather than by two streams. Without it, the first half runs whole, then the second. A collective's issue
-order within each half is kept and the fused graph is the same on every rank
-of a group (it is made from the same tasks by this same deterministic pass),
-so collectives stay SPMD-ordered. One fused task serves every pair of the same
-two tasks, whatever their microbatches.
+Guarantees: with `strategy.overlap`, every fused task is replaced by one
+computing the same values, whose halves interleave: op by op, the half that
+reaches its next collective with the fewest matmuls runs, and no half waits
+for a collective behind which no matmul has run while the other can go on. So
+each half issues its communication early and, while one microbatch's
+all-to-all (or gather, or reduction) is in flight, the other microbatch
+computes: DualPipe's point, done by the graph's order rather than by two
+streams. Without it, the fused tasks stay as they are: the first half runs
+whole, then the second. A collective's issue order within each half is kept
+and the fused graph is the same on every rank of a group (it is made from the
+same tasks by this same deterministic pass), so collectives stay SPMD-ordered.
+One fused task serves every pair of the same two tasks, whatever their
+microbatches.
 """
 from __future__ import annotations
 
 import torch
 import torch.fx as fx
 
-from ..ir import Run, Task, TrainingDAG, collective_kind
+from ..ir import Run, Task, TrainingDAG, add_placeholder, collective_kind
 from ..options import Strategy
 from .split_stages import MATMULS
 
@@ -98,8 +99,7 @@ def fuse_tasks(name: str, parts: list[Task], interleave: bool) -> Task:
     for env, task in zip(envs, parts):
         for node in task.graph.graph.nodes:
             if node.op == "placeholder":
-                env[node] = graph.placeholder(node.name)  # fx makes repeated names unique
-                env[node].meta = dict(node.meta)
+                env[node] = add_placeholder(graph, node.name, node.meta)  # both halves may read a `tanh`
     halves = [[n for n in task.graph.graph.nodes if n.op not in ("placeholder", "output")] for task in parts]
     if interleave:
         order = _interleaved(halves)
@@ -121,6 +121,8 @@ def fuse_tasks(name: str, parts: list[Task], interleave: bool) -> Task:
 
 
 def fuse_overlapped_pairs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
+    if not strategy.overlap:
+        return dag
     fused: dict[str, Task] = {}
     for program in dag.programs.values():
         for instruction in program.instructions:
@@ -128,6 +130,6 @@ def fuse_overlapped_pairs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
                 continue
             if instruction.task not in fused:
                 parts = [program.tasks[run.task] for run in instruction.parts]
-                fused[instruction.task] = fuse_tasks(instruction.task, parts, strategy.overlap)
+                fused[instruction.task] = fuse_tasks(instruction.task, parts, interleave=True)
             program.tasks[instruction.task] = fused[instruction.task]
     return dag

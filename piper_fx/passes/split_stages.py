@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import PiperConfigError
-from ..ir import PHASE, STEP_END, STEP_START, InputRole, Task, TaskKind, TrainingDAG, forward_nodes
+from ..ir import PHASE, STEP_END, STEP_START, InputRole, Task, TaskKind, TrainingDAG, add_placeholder, forward_nodes
 from ..options import Strategy
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
@@ -147,8 +147,7 @@ def extract_graph(root: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.No
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in inputs:
-        env[node] = graph.placeholder(node.name)
-        env[node].meta = dict(node.meta)
+        env[node] = add_placeholder(graph, node.name, node.meta)
     for node in nodes:
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[o] for o in outputs))
