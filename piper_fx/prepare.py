@@ -27,7 +27,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     (a new `nn.Parameter`; build the optimizer afterwards, as with FSDP2).
     With `mesh.ep > 1` every expert parameter (`piper_fx.mark_experts`) becomes
     the block of experts this rank computes, replicated over the dp/ep groups
-    (and never ZeRO-sharded on top).
+    (and never ZeRO-sharded on top); with ep = 1 experts are ordinary parameters.
     Otherwise the layout does not change. Calling it again with the same layout
     is a no-op. With dp > 1 it first gives every replica the first replica's
     parameters and buffers, as DDP does, so it is collective: every rank must call it.
@@ -47,7 +47,10 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
         _check_experts(experts, strategy.ep)
     broadcast_from_first_replica([*model.parameters(), *model.buffers()], group_name)
     if strategy.shards_parameters:
-        shard_parameters(model, group_name, strategy.dp, strategy.dp_index, keep=is_expert_parameter)
+        # Experts shared out over ep are replicated over the dp/ep groups, never ZeRO-sharded on top;
+        # with ep = 1 they are parameters like any other, sharded and reduced by ZeRO.
+        shard_parameters(model, group_name, strategy.dp, strategy.dp_index,
+                         keep=lambda p: strategy.ep > 1 and is_expert_parameter(p))
     if experts:
         shard_experts(model, ep_group_name(strategy), strategy.ep, strategy.ep_index)
     if strategy.microbatches > 1:
@@ -86,7 +89,7 @@ def check_prepared(strategy: Strategy, example_inputs: list) -> None:
     zero_shards = sum(info is not None and info.mesh_dim == "dp" for info in infos)
     expert_shards = sum(info is not None and info.mesh_dim == "ep" for info in infos)
     plain = [p for p, info in zip(params, infos) if info is None]
-    if strategy.shards_parameters and any(not is_expert_parameter(p) for p in plain):
+    if strategy.shards_parameters and any(not (strategy.ep > 1 and is_expert_parameter(p)) for p in plain):
         raise PiperConfigError(
             "zero", strategy.zero,
             f"ZeRO-{strategy.zero} over dp={strategy.dp} needs sharded parameters: call "

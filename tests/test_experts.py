@@ -136,3 +136,17 @@ def test_dualpipev_pairs_overlap_one_microbatchs_all_to_all_with_the_others_comp
     assert on["a2a_per_task"]["F0"] == 2 and on["a2a_per_task"]["B0"] == 2, on
     assert on["fused"] > 0 and on["a2a_overlapped"] == on["a2a_in_pairs"] > 0, on
     assert off["a2a_overlapped"] < off["a2a_in_pairs"], off  # one half after the other: exposed
+
+
+def test_without_expert_parallelism_zero_shards_and_reduces_experts_like_any_parameter():
+    """mesh.ep = 1 with marked experts: ZeRO shards them over dp and averages their gradients
+    (they were kept whole and never reduced, off by 15% after 3 steps; found by test_strategies)."""
+    configs = _configs(_ep(2, 1, zero=2), _ep(2, 1, zero=1, pipeline={"schedule": "1f1b", "microbatches": 2}))
+    results = run_ranks(pipeline_worker, 2, configs, deadline_s=400)
+    for rank, runs in enumerate(results):
+        for config, run in zip(configs, runs):
+            assert max(run["loss_errors"]) < RTOL, (rank, config, run["loss_errors"])
+            worst = max(run["param_errors"], key=run["param_errors"].get)
+            assert run["param_errors"][worst] < RTOL, (rank, config, worst, run["param_errors"][worst])
+            experts = {n: v.shape for n, v in run["trained_values"].items() if ".experts." in n}
+            assert experts and all(shape[0] == EXPERTS // 2 for shape in experts.values()), experts  # row shards
