@@ -1,0 +1,90 @@
+"""A set of rank processes over gloo, started once, that run many trainings in turn.
+
+Spawning ranks costs seconds per test (importing torch, the rendezvous); a
+property test that trains tens of generated strategies reuses one pool per
+world size instead. Every run has a hard deadline: a pool whose ranks do not
+all answer in time, or where a rank failed (its peers may be left in a broken
+collective), is torn down, and the next run starts a fresh one.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _serve(rank, world_size, init_file, tasks, results, collective_timeout_s):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # up to 4 ranks share 2 cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=collective_timeout_s))
+    try:
+        while (task := tasks.get()) is not None:
+            fn, args = task
+            try:
+                results.put((rank, "ok", fn(rank, world_size, *args)))
+            except BaseException:  # noqa: BLE001 - everything a rank raises goes back to the caller
+                results.put((rank, "error", traceback.format_exc()))
+            torch._dynamo.reset()  # each run compiles its own model; drop the last one's code
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` ranks in a gloo process group; `run(fn, *args)` calls
+    `fn(rank, world_size, *args)` on every rank and returns each rank's outcome."""
+
+    def __init__(self, world_size: int, collective_timeout_s: float = 60):
+        self.world_size = world_size
+        self.collective_timeout_s = collective_timeout_s
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        init_file = os.path.join(self._tmp.name, "rendezvous")
+        self._procs = [ctx.Process(target=_serve, args=(r, self.world_size, init_file, self._tasks[r], self._results,
+                                                        self.collective_timeout_s), daemon=True)
+                       for r in range(self.world_size)]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, fn, *args, deadline_s: float = 300) -> list[dict]:
+        """[{"value": ...} or {"error": traceback}] by rank; raises if some rank does not answer in time."""
+        if not self._procs:
+            self._start()
+        for tasks in self._tasks:
+            tasks.put((fn, args))
+        outcomes: dict[int, dict] = {}
+        try:
+            while len(outcomes) < self.world_size:
+                try:
+                    rank, status, value = self._results.get(timeout=deadline_s)
+                except queue.Empty:
+                    missing = sorted(set(range(self.world_size)) - set(outcomes))
+                    raise AssertionError(f"ranks {missing} did not finish within {deadline_s}s") from None
+                outcomes[rank] = {"value": value} if status == "ok" else {"error": value}
+        finally:
+            if len(outcomes) < self.world_size or any("error" in o for o in outcomes.values()):
+                self.close()
+        return [outcomes[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for tasks in self._tasks if self._procs else ():
+            tasks.put(None)
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if self._procs:
+            self._tmp.cleanup()
+        self._procs = []

@@ -1,0 +1,35 @@
+"""Generated strategies (hypothesis): a legal one trains exactly like single-process
+training, an illegal one is a `PiperConfigError` on every rank before anything runs.
+
+The space: pp in {1, 2, 4}, dp in {1, 2} (world <= 4), ep where the model has
+experts (and sometimes where it has none), zero 0..3, every schedule with
+legal and illegal microbatches and stages_per_rank, bucket_mb, overlap,
+prefetch, SGD or AdamW; models: an MLP whose first layer's output crosses
+every stage boundary, the example GPT with tied embeddings, and its MoE
+version. CI runs a fixed-seed profile of 25 examples; set
+`PIPER_STRATEGY_EXAMPLES=N` for a longer, randomly seeded search (with
+shrinking of a failing case).
+"""
+import os
+
+from hypothesis import HealthCheck, Phase, given, settings
+
+from strategy_space import cases, check_outcomes, train_case
+
+EXAMPLES = int(os.environ.get("PIPER_STRATEGY_EXAMPLES", "0"))
+PROFILE = settings(
+    max_examples=EXAMPLES or 25,
+    derandomize=not EXAMPLES,               # CI: the same 25 cases every run
+    database=None,
+    deadline=None,
+    # Each case trains on real ranks for seconds: CI reports a failing case as drawn, a long run shrinks it.
+    phases=(Phase.generate, Phase.shrink) if EXAMPLES else (Phase.generate,),
+    suppress_health_check=(HealthCheck.too_slow,),
+)
+
+
+@PROFILE
+@given(case=cases())
+def test_generated_strategies_train_like_one_process_or_are_config_errors(rank_pools, case):
+    print(case.label())
+    check_outcomes(case, rank_pools(case.world).run(train_case, case, deadline_s=400))
