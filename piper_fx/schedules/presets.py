@@ -178,6 +178,13 @@ def _dualpipe_row(half_ranks: int, microbatches: int, depth: int, chunk_stage) -
     chunk with a backward of the other; then the drain, where the second half
     of the backwards defer their weight gradients (W, oldest first) into the
     time the pipeline would otherwise idle.
+
+    One departure from DeepSeek's order: the last backward of the pipeline's
+    last stage (chunk 1 of the depth-0 rank) runs as I followed at once by its
+    W instead of as one B. It starts the final chain of input gradients that
+    every stage waits for in turn, and split it hands that chain on a W sooner
+    for the same work; no action waits for the W, so the schedule is never
+    slower for any costs (see tests/dualpipe_reference.py).
     """
     row: list[Action] = []
     pairs: set[int] = set()
@@ -194,11 +201,14 @@ def _dualpipe_row(half_ranks: int, microbatches: int, depth: int, chunk_stage) -
         stage, m = take("F", chunk)
         row.append(Action(stage, "F", m))
 
-    def backward(chunk: int, defer_weights: bool = False) -> None:
+    def backward(chunk: int, defer_weights: bool = False, split: bool = False) -> None:
+        """A whole B; or, split, I then at once its W; or I with its W deferred."""
         stage, m = take("B", chunk)
         if defer_weights:
             row.append(Action(stage, "I", m))
             deferred.append(Action(stage, "W", m))
+        elif split:
+            row.extend((Action(stage, "I", m), Action(stage, "W", m)))
         else:
             row.append(Action(stage, "B", m))
 
@@ -235,7 +245,9 @@ def _dualpipe_row(half_ranks: int, microbatches: int, depth: int, chunk_stage) -
     defer = False
     for i in range(h + 1):
         defer = defer or (i == (h + 1) // 2 and h % 2 == 1)
-        backward(1, defer)
+        # On the depth-0 rank this is the last stage's last backward: split, it sends
+        # the input gradient that starts the pipeline's final chain a W sooner.
+        backward(1, defer, split=h == 0)
         defer = defer or (i == (h + 1) // 2 and h % 2 == 0)
         backward(0, defer)
     for _ in range(n - h - 1):
@@ -248,7 +260,20 @@ def _dualpipe_row(half_ranks: int, microbatches: int, depth: int, chunk_stage) -
 
 def dualpipev(ranks: int, microbatches: int, stages_per_rank: int = 2) -> Schedule:
     """DualPipeV (DualPipe cut in half): two stages per rank in a V, one copy of
-    the model; chunk 0 of rank r is stage r, chunk 1 stage 2P-1-r. Needs M >= 2P."""
+    the model; chunk 0 of rank r is stage r, chunk 1 stage 2P-1-r. Needs M >= 2P.
+
+    Against DeepSeek's table, a bubble of (P-1)(F&B + B - 3W) for these 2P
+    stages, the simulated bubble is within it whenever neither F nor W costs
+    more than I, for any F&B from max(F, B) to F + B. With no gain from
+    overlapping (F&B = F + B) it is within it exactly when F + W <= 2I,
+    (P-1)(F - I) <= W and (P-1)(W - I) <= F. Past that, when F > I the last
+    rank's 2P+1 warm-up forwards, not the input gradient its first backward
+    waits for, are the critical path, and when W > I the drain's deferred W's
+    outlast the gaps they fill. DeepSeek's own order, which this one follows
+    but for splitting the last stage's last backward, has with F&B = F + B
+    the bubble table + max((P-1)(F - I), -F) + (P-1) max(0, W - I)
+    (tests/test_schedules.py checks these statements).
+    """
     rows = [_dualpipe_row(ranks, microbatches, r, lambda chunk, r=r: ((r, 2 * ranks - 1 - r)[chunk], 0))
             for r in range(ranks)]
     return Schedule("dualpipev", ranks, microbatches, v_placement(ranks), [a for a, _ in rows],
