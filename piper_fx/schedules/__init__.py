@@ -9,6 +9,7 @@ from .presets import (PRESETS, SPLIT_BACKWARD, V_SHAPED, gpipe, greedy_zero_bubb
 from .render import svg, text_grid
 from .schedule import Action, Schedule, ScheduleError, dependencies, run_order, validate
 from .simulate import Costs, Simulation, simulate
+from .torch_format import from_torch_csv, from_torch_rows, to_torch_csv, to_torch_rows
 
 
 def build(name: str, ranks: int, microbatches: int, stages_per_rank: int = 1) -> Schedule:
@@ -17,5 +18,6 @@ def build(name: str, ranks: int, microbatches: int, stages_per_rank: int = 1) ->
 
 
 __all__ = ["Action", "Costs", "PRESETS", "SPLIT_BACKWARD", "V_SHAPED", "greedy_zero_bubble", "v_placement", "zbv", "Schedule", "ScheduleError", "Simulation", "build",
-           "dependencies", "gpipe", "interleaved_1f1b", "min_microbatches", "one_f_one_b", "run_order",
-           "simulate", "svg", "text_grid", "validate", "zb1p"]
+           "dependencies", "from_torch_csv", "from_torch_rows", "gpipe", "interleaved_1f1b", "min_microbatches",
+           "one_f_one_b", "run_order", "simulate", "svg", "text_grid", "to_torch_csv", "to_torch_rows", "validate",
+           "zb1p"]
