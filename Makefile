@@ -14,7 +14,7 @@ venv: $(STAMP)
 # a looser pin would pull a multi-GB CUDA build.
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "torch==2.13.0" numpy pytest hypothesis
+	$(PY) -m pip install -q "torch==2.13.0" numpy pytest hypothesis transformers
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

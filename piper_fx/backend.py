@@ -24,6 +24,7 @@ from .schedules import svg, text_grid
 from .sharding.mesh import dp_group_name, pp_group_name
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.specs import placement_table
+from .sharding.units import find_units
 from .state_dict import mark_pipeline_owner
 
 
@@ -35,6 +36,8 @@ def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: Deb
     dump.write("00_dynamo_graph.py", gm.print_readable(print_output=False))
     dag = capture(gm, example_inputs, strategy, dp_group_name(strategy))
     dump.write("01_joint_graph.py", dag.joint.print_readable(print_output=False))
+    # At every ZeRO level, so a `units` pattern naming no module is an error on every rank whatever the strategy.
+    dump.write("units.txt", find_units(dag).render())
 
     def after_pass(index: int, name: str, dag: TrainingDAG) -> None:
         if not dump.enabled:

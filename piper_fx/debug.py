@@ -5,6 +5,7 @@ Layout under `debug_dir` (option, or env PIPER_DEBUG_DIR):
   rank{r}/graph{g}/01_joint_graph.py       AOTAutograd's joint forward/backward graph
   rank{r}/graph{g}/passes/NN_<pass>.py     the joint graph (or tasks) after each pass
   rank{r}/graph{g}/placement_table.txt     DTensor-style spec of every node
+  rank{r}/graph{g}/units.txt               the units (repeated layers) ZeRO-3 gathers one at a time
   rank{r}/graph{g}/program.txt             this rank's program: tasks, values, collectives
   rank{r}/graph{g}/codegen/<task>.py       the code each task runs (Inductor output or FX)
   rank{r}/graph{g}/trace.json              a step as a Chrome / Perfetto trace (the second

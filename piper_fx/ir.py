@@ -65,7 +65,8 @@ class TaskKind(enum.Enum):
 # `node.meta[PHASE]` marks ops that run once per step rather than per microbatch.
 PHASE = "piper_phase"
 STEP_START, STEP_END = "step_start", "step_end"
-# `node.meta[UNIT]` names the layer a ZeRO-3 all-gather serves; buckets never span two.
+# `node.meta[UNIT]` names the unit a ZeRO-3 all-gather serves (`sharding.units`: a layer such as
+# `model.layers.3`, or outside units the module reading the parameter); buckets never span two.
 UNIT = "piper_unit"
 
 

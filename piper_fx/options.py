@@ -14,6 +14,7 @@ Each option maps onto the pass that consumes it:
 | bucket_mb    | collectives.bucketing (size cap of one flat bucket)      |
 | overlap      | passes.reorder_for_overlap (prefetch gathers, sink waits)|
 | prefetch     | passes.reorder_for_overlap (ZeRO-3 layers gathered ahead)|
+| units        | sharding.units (the layers ZeRO-3 gathers one at a time) |
 | codegen      | capture (decompositions), codegen                        |
 | profile      | codegen (collective waits timed inside tasks)            |
 | debug_dir    | debug (dumps); env PIPER_DEBUG_DIR when not given        |
@@ -35,7 +36,7 @@ from .errors import PiperConfigError
 ZERO_LEVELS = (0, 1, 2, 3)
 CODEGENS = ("inductor", "eager")
 MESH_DIMS = ("pp", "dp", "ep")
-TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "overlap", "prefetch", "codegen", "profile", "debug_dir",
+TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "overlap", "prefetch", "units", "codegen", "profile", "debug_dir",
                   "pipeline", "directives")
 PIPELINE_KEYS = ("schedule", "microbatches", "stages_per_rank")
 
@@ -51,6 +52,9 @@ class Strategy:
     bucket_mb: float = 25.0
     overlap: bool = True
     prefetch: int = 1
+    # Patterns naming the model's units (module class names or fnmatch patterns on module
+    # names); None: found automatically (`sharding.units`).
+    units: tuple[str, ...] | None = None
     codegen: str = "inductor"
     profile: bool = False
     debug_dir: str | None = None
@@ -92,8 +96,8 @@ class Strategy:
         """What every rank must agree on (the debug directory may differ per rank)."""
         schedule = self.schedule if isinstance(self.schedule, str) else (
             self.schedule.name, self.schedule.stage_to_rank, tuple(tuple(map(str, row)) for row in self.schedule.actions))
-        return (self.dp, self.pp, self.ep, self.zero, self.bucket_mb, self.overlap, self.prefetch, self.codegen, schedule,
-                self.microbatches, self.stages_per_rank)
+        return (self.dp, self.pp, self.ep, self.zero, self.bucket_mb, self.overlap, self.prefetch, self.units,
+                self.codegen, schedule, self.microbatches, self.stages_per_rank)
 
 
 def _is_int(value: Any) -> bool:
@@ -158,6 +162,12 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
     prefetch = options.get("prefetch", 1)
     if not _is_int(prefetch) or prefetch < 0:
         raise PiperConfigError("prefetch", prefetch, "an int >= 0: how many ZeRO-3 layers to gather ahead")
+    units = options.get("units")
+    if units is not None and (isinstance(units, str) or not isinstance(units, (list, tuple)) or not units
+                              or not all(isinstance(p, str) and p for p in units)):
+        raise PiperConfigError("units", units, "None (find the repeated layers automatically) or a non-empty list "
+                                               "of module class names ('LlamaDecoderLayer') or fnmatch patterns on "
+                                               "module names ('model.layers.*')")
 
     codegen = options.get("codegen", "inductor")
     if codegen not in CODEGENS:
@@ -180,8 +190,8 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
     else:
         schedule, microbatches, stages_per_rank = _parse_pipeline(options.get("pipeline"), pp)
     return Strategy(
-        dp=dp, pp=pp, ep=ep, zero=zero, bucket_mb=float(bucket_mb), overlap=overlap, prefetch=prefetch, codegen=codegen,
-        profile=profile,
+        dp=dp, pp=pp, ep=ep, zero=zero, bucket_mb=float(bucket_mb), overlap=overlap, prefetch=prefetch,
+        units=None if units is None else tuple(units), codegen=codegen, profile=profile,
         debug_dir=os.fspath(debug_dir) if debug_dir is not None else None,
         world_size=world_size, rank=rank,
         schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
@@ -302,5 +312,5 @@ def parse_options_on_all_ranks(options: Mapping[str, Any] | None) -> Strategy:
         by_rank = ", ".join(f"rank {r}: {theirs[1]}" for r, theirs in enumerate(everyone))
         raise PiperConfigError(
             "options", dict(options or {}),
-            f"every rank must pass the same strategy (dp, pp, ep, zero, bucket_mb, codegen, pipeline); got {by_rank}")
+            f"every rank must pass the same strategy (dp, pp, ep, zero, bucket_mb, codegen, pipeline, units); got {by_rank}")
     return strategy

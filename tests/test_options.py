@@ -37,12 +37,31 @@ from ranks import RankFailed, run_ranks, run_ranks_collect
     ({"mesh": {"dp": 2}}, "mesh"),  # world size 1: no process group for 2 ranks
     ({"mesh": {"ep": 2}}, "mesh.ep"),  # does not divide dp = 1
     ({"mesh": {"ep": 0}}, "mesh.ep"),
+    ({"units": "model.layers.*"}, "units"),  # a list of patterns, not one
+    ({"units": []}, "units"),
+    ({"units": ["LlamaDecoderLayer", 3]}, "units"),
+    ({"units": [""]}, "units"),
 ])
 def test_bad_option_names_its_key(options, key):
     with pytest.raises(PiperConfigError) as info:
         parse_options(options)
     assert info.value.key == key
     assert str(info.value).startswith(f"options[{key!r}] = {info.value.value!r} is invalid: ")
+
+
+def test_units_are_patterns_or_found_automatically():
+    assert parse_options({"units": ["LlamaDecoderLayer", "model.layers.*"]}).units == ("LlamaDecoderLayer",
+                                                                                      "model.layers.*")
+    assert parse_options({}).units is None
+
+
+def test_units_naming_no_module_is_an_error_when_compiling():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    options = {"codegen": "eager", "units": ["Linear", "Block"]}
+    step = torch.compile(lambda x: model(x).sum(), backend="piper", options=options)
+    with pytest.raises(PiperConfigError, match=r"\['Block'\] name none") as info:
+        step(torch.randn(3, 2))
+    assert info.value.key == "units" and info.value.value == ["Linear", "Block"]
 
 
 def test_options_must_be_a_dict():

@@ -131,37 +131,38 @@ def parity_worker(rank: int, world: int, options: dict, tied: bool) -> dict:
     return {name: train_and_compare(rank, world, options, name, tied=tied) for name in ("sgd", "adamw")}
 
 
-def zero3_memory_worker(rank: int, world: int, zero: int, overlap: bool = False, n_layer: int = 2) -> dict:
-    """Peak bytes of gathered (full) parameters alive at once during one training step."""
+def zero3_memory_worker(rank: int, world: int, zero: int, overlap: bool = False, n_layer: int = 2,
+                        model: str = "gpt", prefetch: int = 1, steps: int = 3) -> dict:
+    """Peak bytes of gathered (full) parameters alive at once in each of `steps` training steps,
+    with what bounds them: the largest unit (a child of the model's layer list) and the
+    parameters outside units, counted as they are gathered (rows padded to a multiple of world)."""
     from piper_fx.runtime.executor import around_tasks
-    from piper_fx.runtime.memory import LiveStorageBytes
 
-    cfg = GPTConfig(**{**SMALL, "n_layer": n_layer})
     torch.manual_seed(0)
-    model = GPT(cfg)
-    layers = [model.wte, model.wpe, *model.blocks, model.ln_f]
-    # A full parameter is gathered with its row padding: count layers the same way.
+    module, layers, forward, batch_fn = memory_model(model, n_layer)
     padded = lambda p: -(-p.shape[0] // world) * world * p[0].numel() * p.element_size()  # noqa: E731
-    largest_layer = max(sum(padded(p) for p in layer.parameters()) for layer in layers)
-    all_params = sum(padded(p) for p in model.parameters())
-    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    # Default 25 MB buckets: ZeRO-3 buckets are layers. With overlap, one layer is prefetched.
-    options = {"zero": zero, "codegen": "eager", "overlap": overlap, "prefetch": 1}
-    piper_fx.prepare(model, options)
-    step = torch.compile(model, backend="piper", options=options)
-    x, y = global_batch(0, 2 * world, cfg)
+    in_units = {id(p) for layer in layers for p in layer.parameters()}
+    largest_unit = max(sum(padded(p) for p in layer.parameters()) for layer in layers)
+    outside_units = sum(padded(p) for p in module.parameters() if id(p) not in in_units)
+    all_params = sum(padded(p) for p in module.parameters())
+    full_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    # Default 25 MB buckets: ZeRO-3 buckets are units.
+    options = {"zero": zero, "codegen": "eager", "overlap": overlap, "prefetch": prefetch}
+    piper_fx.prepare(module, options)
+    step = torch.compile(forward, backend="piper", options=options)
+    x, y = batch_fn(0, 2 * world)
     step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()  # compile outside the measurement
     all_gathers = (torch.ops._c10d_functional.all_gather_into_tensor.default,
                    torch.ops._c10d_functional.all_gather_into_tensor_out.default)  # the latter for buckets
     peaks = []
-    for _ in range(3):
-        gathers = LiveStorageBytes(lambda op: op in all_gathers)
+    for _ in range(steps):
+        gathers = program_held_bytes(lambda op: op in all_gathers)
         with around_tasks(gathers):
             step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
         peaks.append(gathers.peak)
-    return {"peak_gathered": min(peaks), "worst_peak_gathered": max(peaks), "largest_layer": largest_layer,
-            "all_params_padded": all_params, "shard_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-            "full_bytes": full_bytes}
+    return {"peaks": peaks, "peak_gathered": min(peaks), "worst_peak_gathered": max(peaks),
+            "largest_unit": largest_unit, "outside_units": outside_units, "all_params_padded": all_params,
+            "shard_bytes": sum(p.numel() * p.element_size() for p in module.parameters()), "full_bytes": full_bytes}
 
 
 def inductor_worker(rank: int, world: int, debug_root: str) -> dict:
@@ -363,3 +364,113 @@ def expert_errors_worker(rank: int, world: int) -> dict:
 
     return {"indivisible": error_of(3), "unannotated": error_of(4, regions=False),
             "unmarked": error_of(4, mark=False)}
+
+
+# A causal LM nested as Hugging Face nests its layers (`model.layers.N`), small enough for CPU ranks.
+LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+             max_position_embeddings=16)
+LLAMA_SEQ = 8
+
+
+def tiny_llama(n_layer: int = 2):
+    """A Hugging Face `LlamaForCausalLM` as its config builds it (sdpa attention, untied head)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**LLAMA, num_hidden_layers=n_layer))
+
+
+def llama_batch(step: int, rows: int):
+    """Token ids and labels for `tiny_llama`, drawn as the GPT's batches are."""
+    return global_batch(step, rows, GPTConfig(vocab_size=LLAMA["vocab_size"], block_size=LLAMA_SEQ))
+
+
+def memory_model(name: str, n_layer: int):
+    """(module, its layers, the callable to compile, batch(step, rows)) of the example GPT
+    ("gpt", layers `blocks.N`) or a tiny Hugging Face Llama ("llama", `model.layers.N`),
+    whose compiled callable returns the loss of `model(input_ids=x, labels=y)`."""
+    if name == "gpt":
+        cfg = GPTConfig(**{**SMALL, "n_layer": n_layer})
+        model = GPT(cfg)
+        return model, list(model.blocks), model, lambda i, rows: global_batch(i, rows, cfg)
+    model = tiny_llama(n_layer)
+    return model, list(model.model.layers), lambda x, y: model(input_ids=x, labels=y).loss, llama_batch
+
+
+def zero3_memory_sweep(rank: int, world: int, model: str, n_layer: int, settings: list[tuple[bool, int]]) -> list:
+    """`zero3_memory_worker` at ZeRO-3 for each (overlap, prefetch) of `settings`, in one process group."""
+    return [zero3_memory_worker(rank, world, 3, overlap, n_layer, model, prefetch) for overlap, prefetch in settings]
+
+
+def llama_parity_worker(rank: int, world: int, options: dict, steps: int = 3) -> dict:
+    """The tiny Llama trained with piper_fx on this rank's shard against one copy on the
+    global batch (SGD with momentum): relative errors of the losses and final parameters."""
+    torch.manual_seed(0)
+    reference = tiny_llama()
+    torch.manual_seed(0)
+    model = tiny_llama()
+    piper_fx.prepare(model, options)
+    opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
+    step = torch.compile(lambda x, y: model(input_ids=x, labels=y).loss, backend="piper", options=options)
+    loss_errors = []
+    for i in range(steps):
+        x, y = llama_batch(i, 2 * world)
+        loss = step(x.chunk(world)[rank], y.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = reference(input_ids=x, labels=y).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        loss_errors.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+    full, expected = piper_fx.full_state_dict(model), reference.state_dict()
+    assert full.keys() == expected.keys(), (sorted(full), sorted(expected))
+    return {"loss_errors": loss_errors,
+            "param_errors": {name: relative_error(full[name], expected[name]) for name in expected}}
+
+
+def units_worker(rank: int, world: int, cases: list[list[str] | None], debug_root: str) -> list:
+    """One ZeRO-3 step of the tiny Llama for each value of the option `units` in `cases`: this
+    rank's `units.txt`, or the `PiperConfigError` compiling raised, as (key, message)."""
+    from pathlib import Path
+
+    results = []
+    for case, patterns in enumerate(cases):
+        torch.manual_seed(0)
+        model = tiny_llama()
+        options = {"zero": 3, "codegen": "eager", "units": patterns, "debug_dir": f"{debug_root}/{case}"}
+        piper_fx.prepare(model, options)
+        step = torch.compile(lambda x, y: model(input_ids=x, labels=y).loss, backend="piper", options=options)
+        x, y = llama_batch(0, 2 * world)
+        try:
+            step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+        except piper_fx.PiperConfigError as e:
+            results.append((e.key, str(e)))
+            continue
+        (graph_dir,) = (Path(debug_root) / str(case) / f"rank{rank}").iterdir()
+        results.append((graph_dir / "units.txt").read_text())
+    return results
+
+
+def program_held_bytes(watch):
+    """A `LiveStorageBytes` that counts the storages the ops `watch` selects for as long as the
+    program holds them, not the communication backend: their outputs reach the program as
+    aliases. A collective's work object keeps its output alive after the wait, until gloo's
+    worker thread next takes its queue lock; under load that is after the next collective
+    is issued, which would count a layer the program has already freed."""
+    from torch.utils._pytree import tree_leaves, tree_map_only
+
+    from piper_fx.runtime.memory import LiveStorageBytes
+
+    class ProgramHeldBytes(LiveStorageBytes):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.watch(func):
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            out = tree_map_only(torch.Tensor, torch.ops.aten.alias.default, func(*args, **(kwargs or {})))
+            for value in tree_leaves(out):
+                self._observe(func, value)
+            return out
+
+    return ProgramHeldBytes(watch)

@@ -12,6 +12,10 @@ Guarantees: no `piper::unshard` node remains.
     all-gather (and its own copy of the parameter-only ops between the gather
     and the use, e.g. the transpose of a weight), placed just before the first
     backward use. So no full parameter is saved from forward to backward.
+    Every gather, forward and backward, carries `piper_unit`: the unit of the
+    read it serves (`sharding.units`: a layer such as `model.layers.3`), or for
+    a read outside units the module reading it (`lm_head`). `bucket_collectives`
+    never merges gathers of two units, so a bucket holds at most one unit.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from ..collectives.lowering import gather_rows
 from ..ir import PHASE, STEP_START, UNIT, TrainingDAG, forward_nodes
 from ..options import Strategy
 from ..sharding.row_shard import UNSHARD
+from ..sharding.units import find_units
 
 
 def _splice_gather(dag: TrainingDAG, strategy: Strategy, marker: fx.Node, *, before: fx.Node,
@@ -37,16 +42,6 @@ def _splice_gather(dag: TrainingDAG, strategy: Strategy, marker: fx.Node, *, bef
     return insert_traced(dag.joint.graph, gather, [shard], before=before, like=like,
                          decompositions=decompositions_for(strategy),
                          meta={"piper_comm": f"all_gather {fqn} ({phase})", **(meta or {})})
-
-
-def _unit(marker: fx.Node) -> str:
-    """The layer a parameter read belongs to: `blocks.3` for a block in a list, else the top module."""
-    stack = list((marker.meta.get("nn_module_stack") or {}).values())
-    if not stack:
-        return ""
-    path = stack[-1][0] if isinstance(stack[-1], tuple) else str(stack[-1])
-    parts = path.replace("L['self'].", "").split(".")
-    return ".".join(parts[:2]) if len(parts) > 1 and parts[1].isdigit() else parts[0]
 
 
 def _gather_once_per_step(dag: TrainingDAG, strategy: Strategy, markers: list[fx.Node]) -> None:
@@ -81,20 +76,21 @@ def _gather_per_use(dag: TrainingDAG, strategy: Strategy, markers: list[fx.Node]
     graph = dag.joint.graph
     forward = forward_nodes(dag)
     order = {n: i for i, n in enumerate(graph.nodes)}
+    units = find_units(dag)
     for marker in markers:
+        unit = {UNIT: units.group(marker)}
         chain = _parameter_only_chain(marker, forward)
         backward_uses = [(user, node) for node in chain for user in node.users if user not in forward]
         if backward_uses:
             first_use = min((user for user, _ in backward_uses), key=order.__getitem__)
             clones = {marker: _splice_gather(dag, strategy, marker, before=first_use, like=first_use,
-                                             phase="backward", meta={UNIT: _unit(marker)})}
+                                             phase="backward", meta=unit)}
             with graph.inserting_before(first_use):
                 for node in chain[1:]:
                     clones[node] = graph.node_copy(node, lambda n: clones.get(n, n))
             for user, node in backward_uses:
                 user.replace_input_with(node, clones[node])
-        full = _splice_gather(dag, strategy, marker, before=marker, like=marker, phase="forward",
-                              meta={UNIT: _unit(marker)})
+        full = _splice_gather(dag, strategy, marker, before=marker, like=marker, phase="forward", meta=unit)
         marker.replace_all_uses_with(full)
         graph.erase_node(marker)
 
