@@ -7,7 +7,7 @@
 """
 from .annotate import annotate
 from .backend import piper_backend, register as _register
-from .errors import PiperConfigError, PiperError
+from .errors import PeerFailedError, PiperConfigError, PiperError
 from .options import Strategy, parse_options
 from .prepare import prepare
 from .sharding.experts import mark_experts
@@ -17,5 +17,5 @@ from . import schedules
 
 _register()
 
-__all__ = ["annotate", "PiperConfigError", "PiperError", "Strategy", "full_state_dict", "parse_options",
+__all__ = ["annotate", "PeerFailedError", "PiperConfigError", "PiperError", "Strategy", "full_state_dict", "parse_options",
            "last_step_stats", "last_step_trace", "mark_experts", "piper_backend", "prepare", "schedules"]

@@ -474,3 +474,144 @@ def program_held_bytes(watch):
             return out
 
     return ProgramHeldBytes(watch)
+
+
+# ---- Failures (tests/test_failures.py): a step that fails on one rank ends on every rank.
+
+class InjectedFailure(ValueError):
+    """The error a test makes one rank's task raise."""
+
+
+class FailOnTask:
+    """A context entered around every task run (`around_tasks`) that raises `error` on
+    rank `fail_rank`'s `nth` task run (counting from 1): a failure in the middle of a step."""
+
+    def __init__(self, rank: int, fail_rank: int, nth: int, error: Exception):
+        self.armed, self.nth, self.error, self.runs = rank == fail_rank, nth, error, 0
+
+    def __enter__(self):
+        self.runs += 1
+        if self.armed and self.runs == self.nth:
+            raise self.error
+
+    def __exit__(self, *exc_info):
+        return False
+
+
+def outcome_of(error: BaseException | None, elapsed_s: float) -> dict:
+    """What a rank's failed call raised, as plain values that travel back from the worker."""
+    if error is None:
+        return {"type": None, "elapsed_s": elapsed_s}
+    return {"type": type(error).__name__, "types": [c.__name__ for c in type(error).__mro__],
+            "message": str(error), "notes": list(getattr(error, "__notes__", [])),
+            "failed_rank": getattr(error, "failed_rank", None), "failed_where": getattr(error, "failed_where", None),
+            "elapsed_s": elapsed_s}
+
+
+def _call_timed(fn) -> tuple[BaseException | None, float]:
+    import time
+
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever the step raised
+        return e, time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def _stay_until_peers_finish(rank: int, world: int, failed: bool) -> None:
+    """Keep the failed rank's process, and so its connections, alive until every other rank has
+    finished its step: as a rank that catches its error and goes on with other work would. Its
+    peers then cannot learn of the failure from closed connections."""
+    from datetime import timedelta
+
+    store = dist.group.WORLD.get_group_store()
+    if failed:
+        store.wait([f"test/finished/{r}" for r in range(world) if r != rank], timedelta(seconds=300))
+    else:
+        store.set(f"test/finished/{rank}", "1")
+
+
+def failing_step_worker(rank: int, world: int, options: dict, fail_rank: int, nth_task: int, error: Exception,
+                        failed_rank_stays: bool) -> dict:
+    """One good training step, then one in which `fail_rank` raises `error` in its `nth_task`-th task
+    run: what this rank's second step raised, and after how many seconds."""
+    from piper_fx.runtime.executor import around_tasks
+
+    cfg = GPTConfig(**SMALL, tied_embeddings=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.block_context = lambda: piper_fx.annotate("PP")
+    piper_fx.prepare(model, options)
+    step = torch.compile(model, backend="piper", options=options)
+    mesh = options.get("mesh", {})
+    dp = mesh.get("dp", world // mesh.get("pp", 1))
+    x, y = global_batch(0, 4 * dp, cfg)
+    x, y = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
+    step(x, y).backward()  # compiled and run once: the failure comes in the middle of a warm step
+    dist.barrier()
+    with around_tasks(FailOnTask(rank, fail_rank, nth_task, error)):
+        raised, elapsed_s = _call_timed(lambda: step(x, y).backward())
+    if failed_rank_stays:
+        _stay_until_peers_finish(rank, world, failed=rank == fail_rank)
+    return outcome_of(raised, elapsed_s)
+
+
+def _capture_compiled_step(model, options: dict) -> tuple:
+    """`model` compiled by piper_fx, and a dict that receives the backend's step and the
+    arguments Dynamo calls it with (parameters and batch, in the compiled order)."""
+    captured: dict = {}
+
+    def backend(gm, example_inputs):
+        captured["step"] = compiled = piper_fx.piper_backend(gm, example_inputs, options)
+
+        def call(*args):
+            captured["args"] = args
+            return compiled(*args)
+        return call
+
+    return torch.compile(model, backend=backend), captured
+
+
+def bad_input_worker(rank: int, world: int) -> dict:
+    """Calls of a compiled step (dp over every rank) whose batch is unlike the compiled one: on every
+    rank (each rejects its own), after which a good step still runs, then on rank 1 only, while its
+    peers run the step. What each call raised on this rank."""
+    cfg = GPTConfig(**SMALL, tied_embeddings=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    options = {"codegen": "eager"}
+    piper_fx.prepare(model, options)
+    compiled, captured = _capture_compiled_step(model, options)
+    x, y = global_batch(0, 2 * world, cfg)
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    compiled(x, y).backward()
+    # Dynamo guards every argument's dtype and device, so a call through `compiled` with another
+    # one compiles anew; the step itself is what a caller of the backend (or a guard-free
+    # wrapper) runs, and what must reject arguments it was not compiled for.
+    step, args = captured["step"], captured["args"]
+    (tokens,) = [i for i, a in enumerate(args) if a is x]
+
+    def call_with(tokens_value):
+        return _call_timed(lambda: step(*args[:tokens], tokens_value, *args[tokens + 1:])[0].backward())
+
+    outcomes = {"dtype": call_with(x.int()), "device": call_with(x.to("meta")), "shape": call_with(x[:1])}
+    outcomes["good_after_rejections"] = call_with(x)
+    outcomes["dtype_on_rank_1_only"] = call_with(x.int() if rank == 1 else x)
+    return {case: outcome_of(*raised) for case, raised in outcomes.items()}
+
+
+def recompiled_dtype_worker(rank: int, world: int) -> dict:
+    """A pipeline (pp over every rank) called through torch.compile with int32 targets after it was
+    compiled for int64 ones: Dynamo's dtype guard fails, the step is compiled again for int32,
+    and the last stage's loss rejects them. What that call raised on this rank."""
+    cfg = GPTConfig(**SMALL, tied_embeddings=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.block_context = lambda: piper_fx.annotate("PP")
+    options = {"mesh": {"pp": world}, "codegen": "eager", "pipeline": {"microbatches": 2}}
+    piper_fx.prepare(model, options)
+    step = torch.compile(model, backend="piper", options=options)
+    x, y = global_batch(0, 4, cfg)
+    step(x, y).backward()
+    return outcome_of(*_call_timed(lambda: step(x, y.int()).backward()))

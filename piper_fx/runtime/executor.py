@@ -1,4 +1,8 @@
-"""Runs a `RankProgram`: instructions in order over a store of named values."""
+"""Runs a `RankProgram`: instructions in order over a store of named values.
+
+If the program fails, the rank's error says where it stopped, and every other
+rank's names the rank that failed first (`failures`).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +12,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..ir import RankProgram, Recv, Run, Send
+from ..ir import Instruction, RankProgram, Recv, Run, Send
+from . import failures
 from .timing import COMM_WAIT, COMPUTE, StepTimeline, recording
 
 # Context managers entered around every task run, e.g. a dispatch mode that
@@ -92,23 +97,47 @@ class _Values(dict):
         return super().pop(key, *default)
 
 
+def _value(name: str, microbatch: int | None) -> str:
+    return name if microbatch is None else f"{name} (microbatch {microbatch})"
+
+
 class _Receiving:
     """A posted receive: the buffer it fills and the work to wait for."""
 
-    def __init__(self, instruction: Recv, rank: int):
+    def __init__(self, instruction: Recv):
         self.instruction = instruction
-        self.rank = rank
         self.buffer = torch.empty(instruction.shape, dtype=instruction.dtype)
         self.work = dist.irecv(self.buffer, src=instruction.peer, tag=instruction.tag)
 
     def wait(self, timeline: StepTimeline) -> torch.Tensor:
-        try:
-            with timeline.span(f"recv {self.instruction.value}", COMM_WAIT, "recv"):
-                self.work.wait()
-        except Exception as e:
-            raise RuntimeError(f"piper_fx rank {self.rank}: receiving {self.instruction.value} from rank "
-                               f"{self.instruction.peer} failed: {e}") from e
+        with timeline.span(f"recv {self.instruction.value}", COMM_WAIT, "recv"):
+            self.work.wait()
         return self.buffer
+
+
+class _Position:
+    """Where the program is, kept up to date as it runs, so a failure can say where it stopped."""
+
+    def __init__(self):
+        self.instruction: Instruction | None = None
+        self.receiving: Recv | None = None  # a receive being waited for, before `instruction` reads it
+        self.draining_sends = False
+
+    def describe(self) -> str:
+        if self.receiving is not None:
+            recv = self.receiving
+            return f"while receiving {_value(recv.value, recv.microbatch)} from rank {recv.peer}"
+        if self.draining_sends:
+            return "while waiting for its sends to complete"
+        instruction = self.instruction
+        if isinstance(instruction, Run):
+            return f"in task {instruction.label}"
+        if isinstance(instruction, Send):
+            return f"while sending {_value(instruction.value, instruction.microbatch)} to rank {instruction.peer}"
+        if isinstance(instruction, Recv):
+            return f"while posting the receive of {_value(instruction.value, instruction.microbatch)} " \
+                   f"from rank {instruction.peer}"
+        return "before its first instruction"
 
 
 _last_stats: dict = {}
@@ -158,25 +187,39 @@ class ProgramExecutor:
             if key not in kept:
                 self.drop_after[index].append(key)
 
-    def run(self, values: dict[Key, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run every instruction; `values` holds the program inputs and is consumed."""
+    def run(self, values: dict[Key, torch.Tensor], call: int) -> dict[str, torch.Tensor]:
+        """Run every instruction; `values` holds the program inputs and is consumed.
+
+        `call` numbers this step call alike on every rank (`failures.next_call`).
+        If the program fails, this raises what `failures.raise_failure` makes of
+        the error: on the first rank to fail, its own error (type and traceback
+        kept) with a note naming the rank and where it stopped, e.g. "piper_fx
+        rank 1: failed in task B0.2"; on every other rank, `PeerFailedError`
+        naming that rank, raised from this rank's own error.
+        """
         timeline = StepTimeline(self.program.rank)
-        with recording(timeline):
-            results, peak = self._run(values, timeline)
+        position = _Position()
+        try:
+            with recording(timeline):
+                results, peak = self._run(values, timeline, position)
+        except Exception as error:
+            failures.raise_failure(error, self.program.rank, call, position.describe())
         _last_timeline[0] = timeline
         _last_stats.clear()
         _last_stats.update(timeline.stats(), comm_bytes=dict(self.comm_bytes),
                            peak_activation_bytes=peak, instructions=len(self.program.instructions))
         return results
 
-    def _run(self, values: dict[Key, torch.Tensor], timeline: StepTimeline):
+    def _run(self, values: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position):
         program = self.program
         pending_sends: list[dist.Work] = []
         receiving: dict[Key, list[_Receiving]] = {}  # posted receives, completed by the value's first reader
 
         def arrive(key: Key) -> None:
             for posted in receiving.pop(key, ()):
+                position.receiving = posted.instruction
                 buffer = posted.wait(timeline)
+                position.receiving = None
                 activations.remove(key, buffer)  # no longer in flight: counted as a value below
                 held = values.get(key) if posted.instruction.accumulate else None
                 values[key] = buffer if held is None else held + buffer
@@ -188,6 +231,7 @@ class ProgramExecutor:
         values = tracked
         peak = 0
         for index, instruction in enumerate(program.instructions):
+            position.instruction = instruction
             if not isinstance(instruction, Recv):
                 for key in _reads(program, instruction):
                     arrive(key)
@@ -199,7 +243,7 @@ class ProgramExecutor:
                 pending_sends.append(dist.isend(tensor.contiguous(), dst=instruction.peer, tag=instruction.tag))
             elif isinstance(instruction, Recv):
                 key = program.key(instruction.value, instruction.microbatch)
-                posted = _Receiving(instruction, program.rank)
+                posted = _Receiving(instruction)
                 receiving.setdefault(key, []).append(posted)
                 activations.add(key, posted.buffer)
             if not isinstance(instruction, Send):  # only runs and receives add values
@@ -209,6 +253,7 @@ class ProgramExecutor:
                 values.pop(key, None)
         for key in list(receiving):
             arrive(key)
+        position.draining_sends = True
         with timeline.span("sends in flight", COMM_WAIT, "send"):
             for work in pending_sends:
                 work.wait()
@@ -221,13 +266,10 @@ class ProgramExecutor:
         # Drop our references first, so the boxed task frees each input at its last use.
         for key in self.drop_after[index]:
             values.pop(key, None)
-        try:
-            with contextlib.ExitStack() as stack:
-                for context in _TASK_CONTEXTS.get():
-                    stack.enter_context(context)
-                results = self.compiled[instruction.task](args)
-        except Exception as e:
-            raise RuntimeError(f"piper_fx rank {program.rank}: task {instruction.label} failed: {e}") from e
+        with contextlib.ExitStack() as stack:
+            for context in _TASK_CONTEXTS.get():
+                stack.enter_context(context)
+            results = self.compiled[instruction.task](args)
         del args
         results = iter(results)
         for run in instruction.runs:  # a fused pair returns its first half's outputs, then its second's

@@ -9,21 +9,40 @@ gradient scaled by the incoming seed (gradients are linear in it), so
 `(2 * loss).backward()` and accumulation over several calls behave as in
 PyTorch. Inputs without a gradient on this rank (parameters of stages it does
 not hold, non-differentiable inputs) keep `grad is None`.
+
+A call whose batch arguments differ from those the step was compiled for (type,
+device, dtype, shape) is a `PiperError` saying what was expected, raised
+before anything runs. It is recorded for the other ranks like any failure of
+the step (`failures`), so peers already running name this rank.
 """
 from __future__ import annotations
 
+import json
 from typing import Sequence
 
 import torch
 
-import json
-
 from ..debug import DebugDump
 from ..errors import PiperError
-from ..ir import GraphInput, GraphOutput, InputRole, OutputRole
+from ..ir import GraphInput, GraphOutput, InputRole, OutputRole, RankProgram
+from . import failures
 from .executor import ProgramExecutor, last_step_trace
 
 TRACED_STEPS = 2  # the first steps' traces go to the dumps; the second (warm) one stays
+
+
+def _compiled_tensors(program: RankProgram) -> dict[str, tuple[torch.dtype, torch.device]]:
+    """The dtype and device each value read by the program's tasks was compiled
+    for, from the (fake) tensors their placeholders were traced with: the
+    model's device as the example inputs had it, whatever it is."""
+    compiled: dict[str, tuple[torch.dtype, torch.device]] = {}
+    for task in program.tasks.values():
+        placeholders = task.graph.graph.find_nodes(op="placeholder")
+        for name, node in zip(task.inputs, placeholders):  # a task is called with its inputs in this order
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                compiled.setdefault(name, (val.dtype, val.device))
+    return compiled
 
 
 class CompiledStep:
@@ -42,34 +61,54 @@ class CompiledStep:
         self.num_user_outputs = num_user_outputs
         self.training = seed_shape is not None
         self.microbatches = executor.program.num_microbatches
+        # Per batch argument that this rank's program reads: the (dtype, device) it was compiled for.
+        tensors = _compiled_tensors(executor.program)
+        self.batch_tensors = {i.arg_index: tensors[i.name] for i in self.inputs
+                              if i.role is InputRole.INPUT and i.name in tensors}
 
-    def _microbatches(self, index: int, arg: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.microbatches == 1:
-            return (arg,)
-        if arg.dim() == 0 or arg.shape[0] % self.microbatches:
-            raise PiperError(
-                f"compiled argument {index} has shape {tuple(arg.shape)}: its dim 0 must divide into "
-                f"{self.microbatches} microbatches (options['pipeline']['microbatches'])")
-        return arg.chunk(self.microbatches)
+    def _microbatches(self, arg: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Its shape is the compiled one (`_check_arguments`), whose dim 0 capture checked divides.
+        return arg.chunk(self.microbatches) if self.microbatches > 1 else (arg,)
+
+    def _check_arguments(self, args: Sequence[torch.Tensor]) -> None:
+        """Raise a `PiperError` for a batch argument unlike the one this step was compiled for."""
+        for index, shape in self.batch_shapes.items():
+            arg = args[index]
+            if not isinstance(arg, torch.Tensor):
+                raise PiperError(f"compiled argument {index} is a {type(arg).__name__}, but this step was "
+                                 "compiled for a tensor")
+            if index in self.batch_tensors:
+                dtype, device = self.batch_tensors[index]
+                if arg.device != device:
+                    raise PiperError(f"compiled argument {index} is on device {arg.device}, but this step was "
+                                     f"compiled for {device}: move it there (.to('{device}'))")
+                if arg.dtype != dtype:
+                    raise PiperError(f"compiled argument {index} has dtype {arg.dtype}, but this step was "
+                                     f"compiled for {dtype}: convert it (.to({dtype}))")
+            if tuple(arg.shape) != shape:
+                raise PiperError(f"compiled argument {index} has shape {tuple(arg.shape)}, but this step "
+                                 f"was compiled for {shape}: piper_fx compiles fixed batch shapes (compile "
+                                 "again, e.g. a new torch.compile, for another shape)")
 
     def run_program(self, args: Sequence[torch.Tensor]):
         """Run the program on the call's arguments: (user outputs, {arg index: grad})."""
-        for index, shape in self.batch_shapes.items():
-            if tuple(args[index].shape) != shape:
-                raise PiperError(f"compiled argument {index} has shape {tuple(args[index].shape)}, but this step "
-                                 f"was compiled for {shape}: piper_fx compiles fixed batch shapes (compile "
-                                 "again, e.g. a new torch.compile, for another shape)")
+        call = failures.next_call()
+        try:
+            self._check_arguments(args)
+        except PiperError as error:
+            failures.raise_failure(error, self.executor.program.rank, call, "before running its step",
+                                   started=False)
         values: dict = {}
         for graph_input in self.inputs:
             if graph_input.role is InputRole.TANGENT:
                 seed = torch.full(self.seed_shape, 1.0 / self.microbatches, dtype=self.seed_dtype)
                 values.update({(graph_input.name, m): seed for m in range(self.microbatches)})
             elif graph_input.role is InputRole.INPUT:
-                chunks = self._microbatches(graph_input.arg_index, args[graph_input.arg_index])
+                chunks = self._microbatches(args[graph_input.arg_index])
                 values.update({(graph_input.name, m): chunk for m, chunk in enumerate(chunks)})
             else:
                 values[(graph_input.name, None)] = args[graph_input.arg_index]
-        results = self.executor.run(values)
+        results = self.executor.run(values, call)
         self.steps_run += 1
         if self.dump is not None and self.dump.enabled and self.steps_run <= TRACED_STEPS:
             self.dump.write("trace.json", json.dumps(last_step_trace()))

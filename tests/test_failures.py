@@ -1,0 +1,103 @@
+"""Failures end cleanly: a step that fails on one rank ends on every rank, each naming that rank.
+
+Every run uses a short collective timeout and checks, on every rank, what its
+failed step raised and that it ended in time: before that timeout when the
+failed rank's process exits, by the timeout when it stays alive.
+"""
+import pytest
+
+import piper_fx
+from ranks import run_ranks_collect
+from training import InjectedFailure, bad_input_worker, failing_step_worker, recompiled_dtype_worker
+
+TIMEOUT_S = 20  # gloo's timeout for every receive and collective
+# A peer blocked on a rank that keeps running learns of the failure only from gloo's timeout,
+# which starts when it blocks, shortly after the step began on every rank.
+TIMED_OUT_BY_S = TIMEOUT_S + 10
+
+
+def _values(outcomes):
+    for rank, outcome in enumerate(outcomes):
+        assert "value" in outcome, f"rank {rank} failed outside the step:\n{outcome['error']}"
+    return [outcome["value"] for outcome in outcomes]
+
+
+def _check_failed_rank(outcome, rank, error_type, where):
+    """The rank that failed raises its own error, type kept, with a note naming it and where."""
+    assert outcome["type"] == error_type, outcome
+    assert f"piper_fx rank {rank}: failed {where}" in outcome["notes"], outcome
+
+
+def _check_peer(outcome, rank, failed_rank, failed_where, failed_error, within_s):
+    """A peer raises `PeerFailedError` (a `PiperError`) naming the failed rank, where and why,
+    noting its own (communication) error, within `within_s` seconds of the step's start."""
+    assert outcome["type"] == "PeerFailedError" and "PiperError" in outcome["types"], outcome
+    assert outcome["failed_rank"] == failed_rank and outcome["failed_where"] == failed_where, outcome
+    assert outcome["message"].startswith(
+        f"piper_fx rank {rank}: rank {failed_rank} failed {failed_where}: {failed_error}"), outcome
+    stopped_on = f"piper_fx rank {rank} stopped on: RuntimeError: "
+    assert any(note.startswith(stopped_on) for note in outcome["notes"]), outcome
+    assert outcome["elapsed_s"] < within_s, outcome
+
+
+PIPELINE = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "1f1b", "microbatches": 4}}
+ZERO3 = {"zero": 3, "codegen": "eager"}
+
+
+@pytest.mark.parametrize("failed_rank_stays", [False, True], ids=["failed-rank-exits", "failed-rank-stays"])
+@pytest.mark.parametrize("options, nth_task, error, failed_where, error_text", [
+    # Rank 1 (the last stage) fails in its third task; rank 0 is blocked receiving from it.
+    (PIPELINE, 3, InjectedFailure("injected in a task"), "in task F1.1", "InjectedFailure: injected in a task"),
+    # Rank 1 fails in its backward; rank 0 is blocked in ZeRO-3's collectives inside its own.
+    # A PiperError raised in a task stays a PiperError.
+    (ZERO3, 2, piper_fx.PiperError("injected in a task"), "in task B0.0", "PiperError: injected in a task"),
+], ids=["pipeline-receive", "zero3-collective"])
+def test_a_rank_failing_mid_step_is_named_by_every_peer(options, nth_task, error, failed_where, error_text,
+                                                        failed_rank_stays):
+    outcomes = _values(run_ranks_collect(failing_step_worker, 2, options, 1, nth_task, error, failed_rank_stays,
+                                         deadline_s=240, collective_timeout_s=TIMEOUT_S))
+    _check_failed_rank(outcomes[1], 1, type(error).__name__, failed_where)
+    # When the failed rank's process exits (as under torchrun), its connections close and the
+    # peer ends at once; when it stays, the peer ends at its own receive's or collective's timeout.
+    _check_peer(outcomes[0], 0, 1, failed_where, error_text, TIMED_OUT_BY_S if failed_rank_stays else TIMEOUT_S)
+
+
+def test_every_rank_of_a_pipeline_with_data_parallel_zero3_names_the_first_to_fail():
+    # Rank 3 (pipeline rank 1, dp index 1) fails in its second task. Its data-parallel peer (rank 2) and
+    # pipeline peer (rank 1) are blocked on it; rank 0 is blocked only on ranks 1 and 2, which it sees fail.
+    options = {"mesh": {"pp": 2, "dp": 2}, "zero": 3, "codegen": "eager",
+               "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+    outcomes = _values(run_ranks_collect(failing_step_worker, 4, options, 3, 2, InjectedFailure("injected"), False,
+                                         deadline_s=400, collective_timeout_s=TIMEOUT_S))
+    _check_failed_rank(outcomes[3], 3, "InjectedFailure", "in task B1.0")
+    for rank in (0, 1, 2):
+        _check_peer(outcomes[rank], rank, 3, "in task B1.0", "InjectedFailure: injected", TIMEOUT_S)
+
+
+def test_arguments_unlike_the_compiled_ones_are_rejected_before_the_step_runs():
+    for rank, outcomes in enumerate(_values(run_ranks_collect(bad_input_worker, 2, deadline_s=240,
+                                                              collective_timeout_s=TIMEOUT_S))):
+        rejected = {case: outcomes[case] for case in ("dtype", "device", "shape")}
+        for case, outcome in rejected.items():
+            assert outcome["type"] == "PiperError", (rank, case, outcome)
+            assert f"piper_fx rank {rank}: failed before running its step" in outcome["notes"], (rank, case, outcome)
+        assert "has dtype torch.int32, but this step was compiled for torch.int64" in rejected["dtype"]["message"]
+        assert "is on device meta, but this step was compiled for cpu" in rejected["device"]["message"]
+        assert "has shape (1, 9), but this step was compiled for (2, 9)" in rejected["shape"]["message"]
+        # Every rank rejected the same calls and ran nothing, so the process group is intact.
+        assert outcomes["good_after_rejections"]["type"] is None, (rank, outcomes["good_after_rejections"])
+        alone = outcomes["dtype_on_rank_1_only"]
+        if rank == 1:
+            assert alone["type"] == "PiperError" and "has dtype torch.int32" in alone["message"], alone
+        else:  # already running the step, blocked in its all-reduce with rank 1
+            _check_peer(alone, 0, 1, "before running its step", "PiperError: compiled argument", TIMEOUT_S)
+
+
+def test_a_dtype_change_recompiles_and_a_stage_it_breaks_is_named_by_its_peers():
+    # What a user of torch.compile sees: no PiperError from the step, whose new program was compiled
+    # for int32 targets, but the loss's own error on the last stage, which its peer names.
+    first_stage, last_stage = _values(run_ranks_collect(recompiled_dtype_worker, 2, deadline_s=240,
+                                                        collective_timeout_s=TIMEOUT_S))
+    assert last_stage["type"] == "RuntimeError" and "expected target dtype" in last_stage["message"], last_stage
+    assert "piper_fx rank 1: failed in task F1.0" in last_stage["notes"], last_stage
+    _check_peer(first_stage, 0, 1, "in task F1.0", "RuntimeError: expected target dtype", TIMEOUT_S)
