@@ -20,7 +20,9 @@ ends the step with the same gradient on all of them: each rank that computed a
 part sends it to the others, which add it to theirs. Likewise each rank that
 computed part of the loss sends it to every other pipeline rank, so all
 return the whole loss.
-Each transfer has its own tag, so receives never match the wrong message; and
+Between any two ranks, receives are posted in the order the peer sends (as
+NCCL, which ignores tags, needs); each transfer also has its own tag, so
+under gloo too a receive never matches the wrong message; and
 since every transfer follows a schedule dependency, a schedule that validates
 cannot deadlock at run time (sends do not block). Without a pipeline this is
 one rank running P0, F0, B0, E0 (those that exist).
@@ -200,4 +202,38 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
             outputs=[o.name for o in dag.outputs],
             num_microbatches=strategy.microbatches,
         )
+    _receive_in_send_order(dag.programs)
     return dag
+
+
+def _receive_in_send_order(programs: dict[int, RankProgram]) -> None:
+    """Reorder each rank's receives so that it posts those from each peer in the order the
+    peer sends them.
+
+    NCCL matches point-to-point messages between two ranks by their order on each side
+    (tags are ignored), so the order must agree, not just the set; the schedule orders a
+    rank's receives by its own actions and the peer's sends by the peer's. A receive only
+    moves earlier: to the latest position that keeps the peer's order, no later than where
+    it was, so it is still posted before its first reader (a buffer allocated sooner is
+    the only cost).
+    """
+    for rank, program in programs.items():
+        instructions = program.instructions
+        posted_at: dict[int, dict[tuple[str, int | None], int]] = {}
+        for index, instruction in enumerate(instructions):
+            if isinstance(instruction, Recv):
+                posted_at.setdefault(instruction.peer, {})[(instruction.value, instruction.microbatch)] = index
+        position: dict[int, tuple[int, int, int]] = {}
+        for peer, at in posted_at.items():
+            sent = [(i.value, i.microbatch) for i in programs[peer].instructions
+                    if isinstance(i, Send) and i.peer == rank]
+            if sorted(sent, key=repr) != sorted(at, key=repr):
+                continue  # not the same messages: left as built, for the verifier to name
+            order = [at[key] for key in sent]
+            latest = len(instructions)
+            for k in reversed(range(len(order))):  # each no later than any receive after it
+                latest = min(latest, order[k])
+                position[order[k]] = (latest, peer, k)
+        keyed = [((position[i][0], 0, position[i][1], position[i][2]) if i in position else (i, 1, 0, 0), ins)
+                 for i, ins in enumerate(instructions)]
+        program.instructions = [ins for _, ins in sorted(keyed, key=lambda item: item[0])]
