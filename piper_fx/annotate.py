@@ -24,7 +24,7 @@ KINDS = ("PP", "EP")
 _region_ids = itertools.count()
 
 
-@torch._dynamo.assume_constant_result
+@torch.compiler.assume_constant_result
 def _new_region_id() -> int:
     return next(_region_ids)
 

@@ -97,6 +97,6 @@ def register() -> None:
     When Dynamo found the `torch_dynamo_backends` entry point first, it registers
     the backend itself right after importing us, so we must not do it twice.
     """
-    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+    from .compat import _BACKENDS, _COMPILER_FNS, register_backend
     if "piper" not in _BACKENDS and "piper" not in _COMPILER_FNS:
         register_backend(compiler_fn=piper_backend, name="piper")

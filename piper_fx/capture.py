@@ -14,9 +14,8 @@ import re
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._functorch._aot_autograd import descriptors as aot_desc
-from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
+from .compat import aot_descriptors as aot_desc, aot_export_joint_with_descriptors, select_decomp_table, tracing
 from .errors import PiperError
 from .ir import GraphInput, GraphOutput, InputRole, OutputRole, TrainingDAG
 from .options import Strategy
@@ -58,7 +57,6 @@ def decompositions_for(strategy: Strategy) -> dict | None:
     """
     if strategy.codegen != "inductor":
         return None
-    from torch._inductor.decomposition import select_decomp_table
     return select_decomp_table()
 
 
@@ -116,7 +114,7 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     training = torch.is_grad_enabled() and any(t.requires_grad for t in traced_inputs)
     # Our own static fake mode, not Dynamo's: the microbatch graph must add no
     # symbols (and so no guards) to the frame Dynamo is compiling.
-    with contextlib.ExitStack() as stack, torch._guards.tracing(None):
+    with contextlib.ExitStack() as stack, tracing(None):
         exported = aot_export_joint_with_descriptors(
             stack, gm, tuple(traced_inputs), decompositions=decompositions_for(strategy))
         joint = exported.graph_module

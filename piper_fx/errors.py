@@ -11,7 +11,7 @@ lets out of a backend unwrapped, so `step(x, y)` raises them as themselves
 rather than as a generic `BackendCompilerFailed`.
 """
 import torch.distributed as dist
-from torch._dynamo.exc import ShortenTraceback
+from .compat import ShortenTraceback
 
 
 class PiperError(ShortenTraceback):

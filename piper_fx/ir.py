@@ -18,6 +18,7 @@ import torch
 
 import torch.fx as fx
 
+from .ops import COMM_NOTE, collective_kind, wait_of
 from .options import Strategy
 from .sharding.row_shard import ShardedParameter
 
@@ -62,12 +63,6 @@ class TaskKind(enum.Enum):
     E = "E"  # epilogue of a stage: once per step, after its last backward (e.g. DDP all-reduce)
 
 
-# `node.meta[PHASE]` marks ops that run once per step rather than per microbatch.
-PHASE = "piper_phase"
-STEP_START, STEP_END = "step_start", "step_end"
-# `node.meta[UNIT]` names the unit a ZeRO-3 all-gather serves (`sharding.units`: a layer such as
-# `model.layers.3`, or outside units the module reading the parameter); buckets never span two.
-UNIT = "piper_unit"
 
 
 @dataclass
@@ -149,26 +144,6 @@ class Recv:
 
 Instruction = Union[Run, Send, Recv]
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-_COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
-                     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_out": "reduce_scatter",
-                     "all_reduce": "all_reduce", "all_to_all_single": "all_to_all",
-                     # In-place forms, which Inductor's reinplacing makes of the ones above.
-                     "all_reduce_": "all_reduce"}
-
-
-def collective_op_kind(op) -> str | None:
-    """`all_gather`, `reduce_scatter`, `all_reduce` or `all_to_all` for a functional collective op, else None."""
-    if getattr(op, "namespace", "") != "_c10d_functional":
-        return None
-    return _COLLECTIVE_KINDS.get(op.__name__.split(".")[0])
-
-
-def collective_kind(node: fx.Node) -> str | None:
-    """The kind of a functional collective's node (`collective_op_kind`), else None."""
-    return collective_op_kind(node.target) if node.op == "call_function" else None
-
-
 def _nbytes(val) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
@@ -231,10 +206,10 @@ class RankProgram:
             for node in ops:
                 if collective_kind(node) is not None:
                     # On the comm lane from its issue to its wait: the ops between run under it.
-                    wait = next((u for u in node.users if u.target is _WAIT), None)
+                    wait = wait_of(node)
                     span = (f"comm lane: ops {position[node]}..{position[wait]} of {len(ops)}"
                             if wait is not None else "comm lane")
-                    lines.append(f"        collective {node.name}: {node.target}  {node.meta.get('piper_comm', '')}"
+                    lines.append(f"        collective {node.name}: {node.target}  {node.meta.get(COMM_NOTE, '')}"
                                  f"  [{span}]")
         lines.append("instructions:")
         lines.extend(f"  {i:4d}  {instruction}" for i, instruction in enumerate(self.instructions))

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from .compat import maybe_mark_dynamic
 from .errors import PiperConfigError
 from .options import Strategy, parse_options_on_all_ranks
 from .sharding.experts import expert_parameters, is_expert_parameter, shard_experts
@@ -69,13 +70,13 @@ def _check_experts(experts: dict[str, nn.Parameter], ep: int) -> None:
                                                   f"{tuple(p.shape)}, whose dim 0 (the experts) must split over ep")
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def _mark_batch_dimension_dynamic(module: nn.Module, args: tuple) -> None:
     """Runs outside Dynamo before each call: batch sizes reach the backend as
     SymInts, so it can trace the model at microbatch size (see capture)."""
     for arg in args:
         if isinstance(arg, torch.Tensor) and arg.dim() > 0:
-            torch._dynamo.maybe_mark_dynamic(arg, 0)
+            maybe_mark_dynamic(arg, 0)
 
 
 def prepared_layout(model: nn.Module) -> tuple | None:

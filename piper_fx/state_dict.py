@@ -6,6 +6,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .compat import resolve_process_group
 from .sharding.row_shard import sharded_parameter_info
 
 # Set by the backend on each parameter of a pipeline: a pipeline rank whose
@@ -23,7 +24,7 @@ def _from_owner(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
     if owner is None:
         return value
     owner, group_name = owner
-    group = dist.distributed_c10d._resolve_process_group(group_name)
+    group = resolve_process_group(group_name)
     value = value.contiguous()
     dist.broadcast(value, src=dist.get_global_rank(group, owner), group=group)
     return value

@@ -21,7 +21,8 @@ from typing import Callable, Hashable
 
 import torch.fx as fx
 
-from .ir import RankProgram, Recv, Run, Send, TrainingDAG, collective_kind
+from .ir import RankProgram, Recv, Run, Send, TrainingDAG
+from .ops import collective_kind
 from .options import Strategy
 
 VERIFY_ENV = "PIPER_VERIFY"

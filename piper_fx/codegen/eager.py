@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import copy
 
-import torch
 from torch.fx.graph import _BoxedCodeGen
 
-from ..ir import Task, collective_op_kind
+from ..ir import Task
+from ..ops import WAIT, collective_op_kind
 from ..runtime.timing import timed_collective, timed_wait
 
 
@@ -20,7 +20,7 @@ def compile_task(task: Task, time_waits: bool = False):
         for node in gm.graph.nodes:
             if node.op != "call_function":
                 continue
-            if node.target is torch.ops._c10d_functional.wait_tensor.default:
+            if node.target is WAIT:
                 node.target = timed_wait  # the same wait, timed as exposed communication
             elif collective_op_kind(node.target) is not None:
                 node.target = timed_collective(node.target)  # the same collective, its issue time noted

@@ -6,12 +6,10 @@ The FX graph cache (TORCHINDUCTOR_CACHE_DIR) is shared across ranks and runs.
 """
 from __future__ import annotations
 
-import torch
-from torch._guards import TracingContext, tracing
-from torch._inductor import config as inductor_config
-from torch._inductor.compile_fx import compile_fx_inner
 
-from ..ir import Task, collective_kind
+from ..compat import TracingContext, compile_fx_inner, inductor_config, tracing
+from ..ir import Task
+from ..ops import WAIT, collective_kind
 from ..runtime.timing import WaitTimer
 
 
@@ -29,8 +27,7 @@ def compile_task(task: Task, time_waits: bool = False):
     with tracing(TracingContext(fake_mode)), inductor_config.patch(reorder_for_peak_memory=not has_collectives):
         compiled = compile_fx_inner(task.graph, example_inputs)
     source = getattr(compiled, "source_code", None) or task.graph.code
-    if time_waits and task.graph.graph.find_nodes(op="call_function",
-                                                  target=torch.ops._c10d_functional.wait_tensor.default):
+    if time_waits and task.graph.graph.find_nodes(op="call_function", target=WAIT):
         return _timing_waits(compiled), source
     return compiled, source
 

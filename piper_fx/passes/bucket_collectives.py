@@ -15,12 +15,11 @@ bucket by size alone.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
-from torch._inductor.fx_passes import bucketing
-from torch._inductor.pattern_matcher import stable_topological_sort
 
-from ..ir import UNIT, TrainingDAG
+from ..compat import bucketing, stable_topological_sort, tracing
+from ..ir import TrainingDAG
+from ..ops import LEGACY_WAIT, UNIT, WAIT
 from ..options import Strategy
 
 
@@ -39,8 +38,8 @@ def _wait_with_functional_collectives(gm: fx.GraphModule) -> None:
     which does not wait for work issued by `_c10d_functional` ops on gloo: the bucket
     would be read before it is reduced. Use the op that matches the collective."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is torch.ops.c10d_functional.wait_tensor.default:
-            node.target = torch.ops._c10d_functional.wait_tensor.default
+        if node.op == "call_function" and node.target is LEGACY_WAIT:
+            node.target = WAIT
 
 
 def bucket_collectives(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
@@ -48,7 +47,7 @@ def bucket_collectives(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
         return dag
     # Outside Dynamo's tracing context: the merge traces in the fake mode of the
     # graph's own values (our capture's), which it finds only when no context names another.
-    with torch._guards.tracing(None):
+    with tracing(None):
         for task in dag.tasks:
             gm = task.graph
             _bucket_all_gathers(gm, strategy.bucket_mb)

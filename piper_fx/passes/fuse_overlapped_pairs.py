@@ -24,16 +24,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..ir import Run, Task, TrainingDAG, add_placeholder, collective_kind
+from ..ir import Run, Task, TrainingDAG, add_placeholder
+from ..ops import WAIT, collective_kind, is_heavy
 from ..options import Strategy
-from .split_stages import MATMULS
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-
-
-def _is_heavy(node: fx.Node) -> bool:
-    """Compute worth hiding a collective behind: a matmul or an attention."""
-    return node.target in MATMULS or "scaled_dot_product" in str(node.target)
 
 
 def _interleaved(halves: list[list[fx.Node]]) -> list[tuple[int, fx.Node]]:
@@ -49,7 +43,7 @@ def _interleaved(halves: list[list[fx.Node]]) -> list[tuple[int, fx.Node]]:
 
     def pending_wait(half: int) -> fx.Node | None:
         node = halves[half][cursors[half]]
-        return node.args[0] if node.target is _WAIT and node.args[0] in issued else None
+        return node.args[0] if node.target is WAIT and node.args[0] in issued else None
 
     def blocked(half: int) -> bool:
         collective = pending_wait(half)
@@ -60,9 +54,9 @@ def _interleaved(halves: list[list[fx.Node]]) -> list[tuple[int, fx.Node]]:
         for k, node in enumerate(halves[half][cursors[half]:]):
             if collective_kind(node) is not None:
                 return heavy
-            if k and node.target is _WAIT:
+            if k and node.target is WAIT:
                 break
-            heavy += _is_heavy(node)
+            heavy += is_heavy(node)
         return float("inf")
 
     current = min(range(len(halves)), key=matmuls_before_next_collective)
@@ -82,7 +76,7 @@ def _interleaved(halves: list[list[fx.Node]]) -> list[tuple[int, fx.Node]]:
         order.append((half, node))
         if collective_kind(node) is not None:
             issued[node] = (heavy_run, len(issued))
-        heavy_run += _is_heavy(node)
+        heavy_run += is_heavy(node)
         current = half
 
 

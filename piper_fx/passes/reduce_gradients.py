@@ -24,9 +24,9 @@ import functools
 from ..capture import decompositions_for
 from ..collectives.emit import insert_traced
 from ..collectives.lowering import all_reduce_mean, all_reduce_then_take_rows, reduce_scatter_rows
-from ..ir import PHASE, STEP_END, InputRole, OutputRole, TrainingDAG
+from ..ir import InputRole, OutputRole, TrainingDAG
+from ..ops import COMM_NOTE, PHASE, REDUCE_GRAD, STEP_END
 from ..options import Strategy
-from ..sharding.row_shard import REDUCE_GRAD
 
 
 def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:
@@ -46,7 +46,7 @@ def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:
         phase = _once_per_step(strategy) if strategy.zero == 1 else {}
         reduced = insert_traced(graph, fn, [marker.args[0]], before=marker, like=marker,
                                 decompositions=decompositions_for(strategy),
-                                meta={"piper_comm": f"{kind} grad", **phase})
+                                meta={COMM_NOTE: f"{kind} grad", **phase})
         marker.replace_all_uses_with(reduced)
         graph.erase_node(marker)
     dag.refresh_output_names()
@@ -68,7 +68,7 @@ def _all_reduce_full_gradients(dag: TrainingDAG, strategy: Strategy) -> None:
         if source is not None and source.role is InputRole.PARAM:
             node = insert_traced(graph, functools.partial(all_reduce_mean, group_name=dag.dp_group), [node],
                                  before=node.next, like=node, decompositions=decompositions_for(strategy),
-                                 meta={"piper_comm": f"all_reduce grad {source.fqn}", **_once_per_step(strategy)})
+                                 meta={COMM_NOTE: f"all_reduce grad {source.fqn}", **_once_per_step(strategy)})
         new_outputs.append(node)
     dag.set_outputs(new_outputs)
 

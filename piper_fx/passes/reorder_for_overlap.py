@@ -23,16 +23,16 @@ import torch
 import torch.fx as fx
 
 from ..ir import TrainingDAG
+from ..ops import WAIT
 from ..options import Strategy
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 _GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,
             torch.ops._c10d_functional.all_gather_into_tensor_out.default)
 
 
 def _sink_waits(graph: fx.Graph) -> None:
     output = graph.find_nodes(op="output")[0]
-    for wait in list(graph.find_nodes(op="call_function", target=_WAIT)):
+    for wait in list(graph.find_nodes(op="call_function", target=WAIT)):
         order = {n: i for i, n in enumerate(graph.nodes)}
         first_user = min(wait.users, key=order.__getitem__, default=output)
         if first_user is not wait.next:
@@ -53,7 +53,7 @@ def _ancestors_after(node: fx.Node, position: int, order: dict[fx.Node, int]) ->
 
 def _prefetch_gathers(graph: fx.Graph, depth: int) -> None:
     starts = [n for n in graph.nodes if n.op == "call_function" and n.target in _GATHERS]
-    waits = [next(u for u in s.users if u.target is _WAIT) for s in starts]
+    waits = [next(u for u in s.users if u.target is WAIT) for s in starts]
     anchor = next(n for n in graph.nodes if n.op != "placeholder").prev  # issue point of the first ones
     for i, start in enumerate(starts):
         if i >= depth:

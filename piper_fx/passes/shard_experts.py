@@ -37,13 +37,11 @@ from ..capture import decompositions_for
 from ..collectives.emit import insert_traced
 from ..collectives.lowering import all_reduce_mean, all_to_all_experts, fold_expert_grad, repeat_experts
 from ..errors import PiperConfigError, PiperError
-from ..ir import PHASE, STEP_END, InputRole, TrainingDAG
+from ..ir import InputRole, TrainingDAG
+from ..ops import COMM_NOTE, PHASE, REDUCE_EXPERT_GRAD, STEP_END, UNSHARD_EXPERTS
 from ..options import Strategy
-from ..sharding import experts as _expert_ops  # noqa: F401 - registers the piper::*experts* ops
 from ..sharding.mesh import ep_group_name, expert_replica_group_name
 
-UNSHARD_EXPERTS = torch.ops.piper.unshard_experts.default
-REDUCE_EXPERT_GRAD = torch.ops.piper.reduce_expert_grad.default
 _PARAMETER_ROLES = (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)
 
 
@@ -82,7 +80,7 @@ def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> set[fx.Node]:
                 new, added = _inserted(graph, lambda: insert_traced(
                     graph, functools.partial(all_reduce_mean, group_name=replicas), [new], before=marker,
                     like=marker, decompositions=decompositions,
-                    meta={"piper_comm": "all_reduce expert grad over replicas", **phase}))
+                    meta={COMM_NOTE: "all_reduce expert grad over replicas", **phase}))
                 grad_nodes |= added
         marker.replace_all_uses_with(new)
         graph.erase_node(marker)
@@ -167,4 +165,4 @@ def _exchange(graph: fx.Graph, value: fx.Node, consumer: fx.Node, exchange, num_
     before = value.next if value.op != "placeholder" else consumer
     return insert_traced(graph, exchange, [value], before=before, like=value if value.op != "placeholder" else consumer,
                          decompositions=decompositions_for(strategy),
-                         meta={"piper_comm": f"all_to_all {direction} {value.name}"})
+                         meta={COMM_NOTE: f"all_to_all {direction} {value.name}"})

@@ -31,11 +31,10 @@ import torch
 import torch.fx as fx
 
 from ..errors import PiperConfigError
-from ..ir import PHASE, STEP_END, STEP_START, InputRole, Task, TaskKind, TrainingDAG, add_placeholder, forward_nodes
+from ..ir import InputRole, Task, TaskKind, TrainingDAG, add_placeholder, forward_nodes
+from ..ops import MATMULS, PHASE, STEP_END, STEP_START, is_attention
 from ..options import Strategy
 
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten.baddbmm.default}
 
 
 def _tensors(val) -> list[torch.Tensor]:
@@ -48,7 +47,7 @@ def estimated_cost(node: fx.Node) -> float:
     outs = _tensors(node.meta.get("val"))
     if node.target in MATMULS and outs:
         return 2.0 * outs[0].numel() * node.args[-2].meta["val"].shape[-1]  # (.., K) @ (K, ..)
-    if "scaled_dot_product" in str(node.target) and outs:
+    if is_attention(node) and outs:
         q = node.args[0].meta["val"]
         return 4.0 * q.numel() * q.shape[-2]
     return float(sum(o.numel() for o in outs))

@@ -26,9 +26,9 @@ import torch.fx as fx
 from ..capture import decompositions_for
 from ..collectives.emit import insert_traced
 from ..collectives.lowering import gather_rows
-from ..ir import PHASE, STEP_START, UNIT, TrainingDAG, forward_nodes
+from ..ir import TrainingDAG, forward_nodes
+from ..ops import COMM_NOTE, PHASE, STEP_START, UNIT, UNSHARD
 from ..options import Strategy
-from ..sharding.row_shard import UNSHARD
 from ..sharding.units import find_units
 
 
@@ -41,7 +41,7 @@ def _splice_gather(dag: TrainingDAG, strategy: Strategy, marker: fx.Node, *, bef
     fqn = dag.input_by_name()[shard.name].fqn
     return insert_traced(dag.joint.graph, gather, [shard], before=before, like=like,
                          decompositions=decompositions_for(strategy),
-                         meta={"piper_comm": f"all_gather {fqn} ({phase})", **(meta or {})})
+                         meta={COMM_NOTE: f"all_gather {fqn} ({phase})", **(meta or {})})
 
 
 def _gather_once_per_step(dag: TrainingDAG, strategy: Strategy, markers: list[fx.Node]) -> None:

@@ -12,8 +12,8 @@ import weakref
 from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from ..compat import TorchDispatchMode, tree_leaves
 
 
 class LiveStorageBytes(TorchDispatchMode):

@@ -25,13 +25,12 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..ir import collective_op_kind
+from ..compat import TorchDispatchMode
+from ..ops import WAIT, collective_op_kind
 
 COMPUTE, COMM, COMM_WAIT = "compute", "comm", "comm wait"
 _LANES = {COMPUTE: 0, COMM: 1, COMM_WAIT: 2}
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 
 @dataclass
@@ -126,10 +125,10 @@ def timed_wait(tensor: torch.Tensor) -> torch.Tensor:
     the collective it ends goes on the comm lane, from its issue to now."""
     timeline = _current[0]
     if timeline is None:
-        return _WAIT(tensor)
+        return WAIT(tensor)
     kind, issued = _in_flight.pop(tensor.untyped_storage().data_ptr(), (None, None))
     with timeline.span(f"wait {kind or 'collective'}", COMM_WAIT, kind):
-        result = _WAIT(tensor)
+        result = WAIT(tensor)
     if issued is not None:
         timeline.spans.append(Span(kind, COMM, issued, time.time_ns(), True, kind))
     return result
@@ -139,7 +138,7 @@ class WaitTimer(TorchDispatchMode):
     """Times the collectives of a compiled task; every other op passes straight through."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _WAIT:
+        if func is WAIT:
             return timed_wait(*args)
         kind = collective_op_kind(func)
         if kind is not None:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..collectives import lowering
+from ..compat import resolve_process_group
 from .row_shard import _INFO_ATTR, RowShardLayout, ShardedParameter
 
 _EXPERT_ATTR = "_piper_expert"
@@ -44,7 +45,7 @@ def is_expert_parameter(p: object) -> bool:
 
 
 def _group_size(group_name: str) -> int:
-    return dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+    return dist.get_world_size(resolve_process_group(group_name))
 
 
 @torch.library.custom_op("piper::unshard_experts", mutates_args=())

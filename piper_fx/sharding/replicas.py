@@ -12,6 +12,8 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from ..compat import resolve_process_group
+
 _SYNCED_ATTR = "_piper_replicas_synced"
 
 
@@ -20,7 +22,7 @@ def broadcast_from_first_replica(tensors: Iterable[torch.Tensor], group_name: st
     """Overwrite `tensors` with the values of the dp group's first rank (collective), once each."""
     if group_name is None:
         return
-    group = dist.distributed_c10d._resolve_process_group(group_name)
+    group = resolve_process_group(group_name)
     source = dist.get_global_rank(group, 0)
     for tensor in tensors:
         if getattr(tensor, _SYNCED_ATTR, False):

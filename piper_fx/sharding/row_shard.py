@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..collectives import lowering
+from ..compat import resolve_process_group
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def sharded_parameter_info(t: object) -> ShardedParameter | None:
 @torch.library.custom_op("piper::unshard", mutates_args=())
 def unshard(shard: torch.Tensor, full_shape: list[int], group_name: str) -> torch.Tensor:
     """The full parameter from its row shards (all-gather over `group_name`)."""
-    size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+    size = dist.get_world_size(resolve_process_group(group_name))
     return lowering.gather_rows(shard, full_shape, size, group_name).clone()
 
 
@@ -85,7 +86,7 @@ def _unshard_fake(shard, full_shape, group_name):
 @torch.library.custom_op("piper::reduce_grad", mutates_args=())
 def reduce_grad(grad: torch.Tensor, shard_rows: int, group_name: str) -> torch.Tensor:
     """This rank's row shard of the group-averaged full gradient."""
-    size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+    size = dist.get_world_size(resolve_process_group(group_name))
     return lowering.reduce_scatter_rows(grad, shard_rows, size, group_name).clone()
 
 

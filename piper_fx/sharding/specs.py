@@ -17,9 +17,10 @@ import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema
 from torch.distributed.tensor.placement_types import Placement
+
+from ..compat import DTensorSpec, OpSchema, TensorMeta
+from ..ops import REDUCE_GRAD, UNSHARD, WAIT
 
 SPEC_KEY = "piper_spec"
 UNKNOWN = "?"
@@ -82,11 +83,11 @@ def infer_spec(mesh: DeviceMesh, node: fx.Node) -> Any:
     """The placement of `node`'s value from its inputs' placements."""
     if node.target in _FIXED:
         return _FIXED[node.target]
-    if node.target is _c10d.wait_tensor.default:
+    if node.target is WAIT:
         return node.args[0].meta.get(SPEC_KEY)
-    if node.target is torch.ops.piper.unshard.default:
+    if node.target is UNSHARD:
         return Replicate()
-    if node.target is torch.ops.piper.reduce_grad.default:
+    if node.target is REDUCE_GRAD:
         return Shard(0)
     if node.target is operator.getitem:
         parent = node.args[0].meta.get(SPEC_KEY)

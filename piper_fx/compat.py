@@ -1,0 +1,45 @@
+"""Every private `torch._*` API piper_fx uses, imported here and nowhere else.
+
+Each comes with what piper_fx uses it for and the public API that would
+replace it, where one exists. A torch release that moves one of them breaks
+this module alone, and its fix lives here. Checked on torch 2.11 (GPU images)
+through 2.13 (the CPU venv's pin).
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+# Joint forward + backward capture with a descriptor for every input and output (which is
+# a parameter, a tangent, a gradient of what): no public equivalent; `torch.export` gives
+# the forward only.
+from torch._functorch._aot_autograd import descriptors as aot_descriptors  # noqa: F401
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # noqa: F401
+# Dynamo's backend registry: registering `backend="piper"` on import without registering it
+# twice when the `torch_dynamo_backends` entry point already did (public: the entry point).
+from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend  # noqa: F401
+# Marks a dimension dynamic unless Dynamo must specialize it (no public form in torch.compiler).
+from torch._dynamo import maybe_mark_dynamic  # noqa: F401
+# The one exception family Dynamo lets out of a backend unwrapped (else BackendCompilerFailed).
+from torch._dynamo.exc import ShortenTraceback  # noqa: F401
+# Tracing contexts: capture and Inductor's bucketing run outside Dynamo's context (in our own
+# fake mode); `compile_fx_inner` needs one naming the task's fake mode.
+from torch._guards import TracingContext, tracing  # noqa: F401
+# Inductor, compiling one task graph at a time with its decompositions, its config (to keep
+# the planned order of collectives), and its collective bucketing passes.
+from torch._inductor import config as inductor_config  # noqa: F401
+from torch._inductor.compile_fx import compile_fx_inner  # noqa: F401
+from torch._inductor.decomposition import select_decomp_table  # noqa: F401
+from torch._inductor.fx_passes import bucketing  # noqa: F401
+from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: F401
+# DTensor's sharding propagation on one op (placements of an FX node from its inputs').
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
+from torch.distributed.tensor._op_schema import OpSchema  # noqa: F401
+# Dispatch modes (memory and wait timing around tasks) and pytree leaves: stable in practice,
+# public in name only under torch.utils._python_dispatch / _pytree.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+from torch.utils._pytree import tree_leaves  # noqa: F401
+
+
+def resolve_process_group(group_name: str) -> dist.ProcessGroup:
+    """The process group a functional collective names (`group_name`). Public would be
+    `torch.distributed.distributed_c10d` exposing the registry; there is none."""
+    return dist.distributed_c10d._resolve_process_group(group_name)

@@ -1,0 +1,76 @@
+"""The op vocabulary every pass, the renderer, codegen and the runtime share.
+
+Each concept is defined here once: what is a collective (and of which kind),
+its wait, a ZeRO or expert marker, a heavy op (compute worth hiding
+communication behind), and the `node.meta` keys the passes leave on nodes.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .sharding import experts as _experts  # noqa: F401 - registers the piper::*_experts marker ops
+from .sharding.row_shard import REDUCE_GRAD, UNSHARD
+
+# ---- Functional collectives (`torch.distributed._functional_collectives`) and their wait.
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+# Inductor's reduce-scatter bucketing waits with the legacy namespace's op.
+LEGACY_WAIT = torch.ops.c10d_functional.wait_tensor.default
+
+_COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+                     "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_out": "reduce_scatter",
+                     "all_reduce": "all_reduce", "all_to_all_single": "all_to_all",
+                     # In-place forms, which Inductor's reinplacing makes of the ones above.
+                     "all_reduce_": "all_reduce"}
+
+
+def collective_op_kind(op) -> str | None:
+    """`all_gather`, `reduce_scatter`, `all_reduce` or `all_to_all` for a functional collective op, else None."""
+    if getattr(op, "namespace", "") != "_c10d_functional":
+        return None
+    return _COLLECTIVE_KINDS.get(op.__name__.split(".")[0])
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """The kind of a functional collective's node (`collective_op_kind`), else None."""
+    return collective_op_kind(node.target) if node.op == "call_function" else None
+
+
+def is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is WAIT
+
+
+def wait_of(collective: fx.Node) -> fx.Node | None:
+    """The wait of a collective's result, if it has one."""
+    return next((user for user in collective.users if user.target is WAIT), None)
+
+
+# ---- Markers Dynamo traces where a sharded parameter is read; passes lower them to collectives.
+UNSHARD_EXPERTS = torch.ops.piper.unshard_experts.default
+REDUCE_EXPERT_GRAD = torch.ops.piper.reduce_expert_grad.default
+ZERO_MARKERS = (UNSHARD, REDUCE_GRAD)            # `piper::unshard` and its backward
+EXPERT_MARKERS = (UNSHARD_EXPERTS, REDUCE_EXPERT_GRAD)
+
+# ---- Heavy ops: matmuls and attention, the compute a collective can hide behind.
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.baddbmm.default}
+
+
+def is_attention(node: fx.Node) -> bool:
+    return "scaled_dot_product" in str(node.target)
+
+
+def is_heavy(node: fx.Node) -> bool:
+    """Compute worth hiding a collective behind: a matmul or an attention."""
+    return node.target in MATMULS or is_attention(node)
+
+
+# ---- `node.meta` keys the passes set.
+# Ops that run once per step rather than per microbatch: `node.meta[PHASE]` is one of these.
+PHASE = "piper_phase"
+STEP_START, STEP_END = "step_start", "step_end"
+# The unit a ZeRO-3 all-gather serves (`sharding.units`: a layer such as `model.layers.3`, or
+# outside units the module reading the parameter); buckets never span two.
+UNIT = "piper_unit"
+# What a collective moves, in words, for the dumps (`all_gather blocks.0.attn.qkv.weight (forward)`).
+COMM_NOTE = "piper_comm"
