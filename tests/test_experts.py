@@ -97,7 +97,8 @@ def _plan_dualpipev_with_experts(overlap: bool) -> dict:
     """pp=2 x dp=8 with ep=4 and DualPipeV on a fake process group: where each all-to-all runs."""
     import torch
 
-    from piper_fx.ir import Run, collective_kind
+    from piper_fx.ir import Run
+    from piper_fx.ops import collective_kind
     from training import plan_all_ranks
 
     options = {"mesh": {"pp": 2, "dp": 8, "ep": 4}, "codegen": "eager", "overlap": overlap,
