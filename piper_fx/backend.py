@@ -85,6 +85,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
         ProgramExecutor(program, compiled), dag.inputs, dag.outputs,
         seed_val.shape if seed_val is not None else None,
         seed_val.dtype if seed_val is not None else None,
+        seed_val.device if seed_val is not None else None,
         num_user_outputs,
         {i.arg_index: tuple(example_inputs[i.arg_index].shape) for i in dag.inputs if i.role is InputRole.INPUT},
         dump,

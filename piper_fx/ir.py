@@ -136,6 +136,7 @@ class Recv:
     shape: tuple[int, ...]
     dtype: torch.dtype
     accumulate: bool = False
+    device: torch.device | None = None  # where the value lives on this rank (the model's device)
 
     def __str__(self) -> str:
         verb = "recv+" if self.accumulate else "recv "

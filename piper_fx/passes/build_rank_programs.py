@@ -90,7 +90,7 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
 
     def recv(name: str, microbatch: int | None, peer: int, tag_: int, accumulate: bool = False) -> Recv:
         val = joint_nodes[name].meta["val"]
-        return Recv(name, microbatch, global_rank(peer), tag_, tuple(val.shape), val.dtype, accumulate)
+        return Recv(name, microbatch, global_rank(peer), tag_, tuple(val.shape), val.dtype, accumulate, val.device)
 
     # Values summed over pipeline ranks at the end of the step: the loss, and
     # the gradients of parameters held by several ranks.

@@ -106,7 +106,7 @@ class _Receiving:
 
     def __init__(self, instruction: Recv):
         self.instruction = instruction
-        self.buffer = torch.empty(instruction.shape, dtype=instruction.dtype)
+        self.buffer = torch.empty(instruction.shape, dtype=instruction.dtype, device=instruction.device)
         self.work = dist.irecv(self.buffer, src=instruction.peer, tag=instruction.tag)
 
     def wait(self, timeline: StepTimeline) -> torch.Tensor:

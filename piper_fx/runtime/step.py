@@ -47,7 +47,8 @@ def _compiled_tensors(program: RankProgram) -> dict[str, tuple[torch.dtype, torc
 
 class CompiledStep:
     def __init__(self, executor: ProgramExecutor, inputs: Sequence[GraphInput], outputs: Sequence[GraphOutput],
-                 seed_shape: torch.Size | None, seed_dtype: torch.dtype | None, num_user_outputs: int,
+                 seed_shape: torch.Size | None, seed_dtype: torch.dtype | None, seed_device: torch.device | None,
+                 num_user_outputs: int,
                  batch_shapes: dict[int, tuple[int, ...]], dump: DebugDump | None = None):
         self.executor = executor
         self.dump = dump
@@ -57,7 +58,8 @@ class CompiledStep:
         self.batch_shapes = batch_shapes
         self.inputs = list(inputs)
         self.outputs = list(outputs)
-        self.seed_shape, self.seed_dtype = seed_shape, seed_dtype
+        # The incoming gradient of each microbatch's loss, made where the loss is (the model's device).
+        self.seed_shape, self.seed_dtype, self.seed_device = seed_shape, seed_dtype, seed_device
         self.num_user_outputs = num_user_outputs
         self.training = seed_shape is not None
         self.microbatches = executor.program.num_microbatches
@@ -101,7 +103,8 @@ class CompiledStep:
         values: dict = {}
         for graph_input in self.inputs:
             if graph_input.role is InputRole.TANGENT:
-                seed = torch.full(self.seed_shape, 1.0 / self.microbatches, dtype=self.seed_dtype)
+                seed = torch.full(self.seed_shape, 1.0 / self.microbatches, dtype=self.seed_dtype,
+                                  device=self.seed_device)
                 values.update({(graph_input.name, m): seed for m in range(self.microbatches)})
             elif graph_input.role is InputRole.INPUT:
                 chunks = self._microbatches(args[graph_input.arg_index])
