@@ -196,9 +196,10 @@ def collective_order_problems(programs: dict[int, RankProgram],
 
 
 def verify_dag(dag: TrainingDAG, after_pass: str) -> None:
-    """Raise `InvalidGraphError` naming `after_pass` and the graph at fault if the joint
+    """Raise `InvalidGraphError` naming `after_pass` and what is at fault if the joint
     graph, a task, or a rank program's task is not well formed, or a program runs a
-    task it does not hold."""
+    task it does not hold, reads a value before it is made, or sends to a rank in
+    another order than that rank receives."""
     problems = [f"joint graph: {p}" for p in graph_problems(dag.joint.graph)]
     for task in dag.tasks:
         problems += [f"task {task.name}: {p}" for p in _task_problems(task)]
