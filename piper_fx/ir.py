@@ -153,6 +153,11 @@ def _mb(microbatch: int | None) -> str:
     return "" if microbatch is None else f"[mb {microbatch}]"
 
 
+def value_label(name: str, microbatch: int | None) -> str:
+    """A value as programs print it: `add_7[mb 0]`, or `add_25` for a per-step value."""
+    return name + _mb(microbatch)
+
+
 @dataclass
 class RankProgram:
     """What one rank runs for one step.

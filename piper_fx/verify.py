@@ -21,7 +21,7 @@ from typing import Callable, Hashable
 
 import torch.fx as fx
 
-from .ir import RankProgram, Recv, Run, Send, TrainingDAG
+from .ir import RankProgram, Recv, Run, Send, TrainingDAG, value_label
 from .ops import collective_kind
 from .options import Strategy
 
@@ -79,10 +79,6 @@ def _instruction(program: RankProgram, index: int) -> str:
     return f"rank {program.rank} instruction {index} ({str(program.instructions[index]).strip()})"
 
 
-def _value(name: str, microbatch: int | None) -> str:
-    return name if microbatch is None else f"{name}[mb {microbatch}]"
-
-
 def use_before_definition_problems(program: RankProgram) -> list[str]:
     """Each read of a value (by a run, a send, or a receive adding into it) that no input
     or earlier instruction of `program` defines."""
@@ -102,7 +98,7 @@ def use_before_definition_problems(program: RankProgram) -> list[str]:
             reads = []
         for name, microbatch in reads:
             if program.key(name, microbatch) not in defined:
-                problems.append(f"{_instruction(program, index)} reads {_value(name, microbatch)} before any "
+                problems.append(f"{_instruction(program, index)} reads {value_label(name, microbatch)} before any "
                                 "instruction makes it")
         if isinstance(instruction, Run):
             for run in instruction.runs:
@@ -141,9 +137,9 @@ def point_to_point_problems(programs: dict[int, RankProgram]) -> list[str]:
                 (i, send), (j, recv) = sends[k], recvs[k]
                 if (send.value, send.microbatch) != (recv.value, recv.microbatch):
                     problems.append(f"message {k} from rank {src} to rank {dst}: {_instruction(programs[src], i)} "
-                                    f"sends {_value(send.value, send.microbatch)}, but "
+                                    f"sends {value_label(send.value, send.microbatch)}, but "
                                     f"{_instruction(programs[dst], j)} receives "
-                                    f"{_value(recv.value, recv.microbatch)}")
+                                    f"{value_label(recv.value, recv.microbatch)}")
                     break  # every later message of the pair is off by the same shift
                 continue
             break
