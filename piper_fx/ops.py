@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .sharding import experts as _experts  # noqa: F401 - registers the piper::*_experts marker ops
+from .sharding.experts import REDUCE_EXPERT_GRAD, UNSHARD_EXPERTS
 from .sharding.row_shard import REDUCE_GRAD, UNSHARD
 
 # ---- Functional collectives (`torch.distributed._functional_collectives`) and their wait.
@@ -45,9 +45,8 @@ def wait_of(collective: fx.Node) -> fx.Node | None:
     return next((user for user in collective.users if user.target is WAIT), None)
 
 
-# ---- Markers Dynamo traces where a sharded parameter is read; passes lower them to collectives.
-UNSHARD_EXPERTS = torch.ops.piper.unshard_experts.default
-REDUCE_EXPERT_GRAD = torch.ops.piper.reduce_expert_grad.default
+# ---- Markers Dynamo traces where a sharded parameter is read; passes lower them to collectives
+# (defined with `sharding.row_shard.define_row_markers`).
 ZERO_MARKERS = (UNSHARD, REDUCE_GRAD)            # `piper::unshard` and its backward
 EXPERT_MARKERS = (UNSHARD_EXPERTS, REDUCE_EXPERT_GRAD)
 

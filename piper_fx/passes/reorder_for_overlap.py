@@ -19,15 +19,11 @@ Nothing else moves, so the task computes exactly what it did.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from ..ir import TrainingDAG
-from ..ops import WAIT
+from ..ops import WAIT, collective_kind, wait_of
 from ..options import Strategy
-
-_GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,
-            torch.ops._c10d_functional.all_gather_into_tensor_out.default)
 
 
 def _sink_waits(graph: fx.Graph) -> None:
@@ -52,8 +48,8 @@ def _ancestors_after(node: fx.Node, position: int, order: dict[fx.Node, int]) ->
 
 
 def _prefetch_gathers(graph: fx.Graph, depth: int) -> None:
-    starts = [n for n in graph.nodes if n.op == "call_function" and n.target in _GATHERS]
-    waits = [next(u for u in s.users if u.target is WAIT) for s in starts]
+    starts = [n for n in graph.nodes if collective_kind(n) == "all_gather"]
+    waits = [wait_of(s) for s in starts]
     anchor = next(n for n in graph.nodes if n.op != "placeholder").prev  # issue point of the first ones
     for i, start in enumerate(starts):
         if i >= depth:

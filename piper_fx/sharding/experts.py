@@ -17,13 +17,10 @@ as a plain module.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ..collectives import lowering
-from ..compat import resolve_process_group
-from .row_shard import _INFO_ATTR, RowShardLayout, ShardedParameter
+from .row_shard import _INFO_ATTR, RowShardLayout, ShardedParameter, define_row_markers
 
 _EXPERT_ATTR = "_piper_expert"
 
@@ -44,42 +41,9 @@ def is_expert_parameter(p: object) -> bool:
     return isinstance(p, nn.Parameter) and getattr(p, _EXPERT_ATTR, False)
 
 
-def _group_size(group_name: str) -> int:
-    return dist.get_world_size(resolve_process_group(group_name))
-
-
-@torch.library.custom_op("piper::unshard_experts", mutates_args=())
-def unshard_experts(shard: torch.Tensor, num_experts: int, group_name: str) -> torch.Tensor:
-    """Every expert's weight, from this rank's block of experts (all-gather over the ep group)."""
-    return lowering.gather_rows(shard, [num_experts, *shard.shape[1:]], _group_size(group_name), group_name).clone()
-
-
-@unshard_experts.register_fake
-def _unshard_experts_fake(shard, num_experts, group_name):
-    return shard.new_empty((num_experts, *shard.shape[1:]))
-
-
-@torch.library.custom_op("piper::reduce_expert_grad", mutates_args=())
-def reduce_expert_grad(grad: torch.Tensor, local_experts: int, group_name: str) -> torch.Tensor:
-    """The gradient of this rank's experts, averaged over the ep group."""
-    return lowering.reduce_scatter_rows(grad, local_experts, _group_size(group_name), group_name).clone()
-
-
-@reduce_expert_grad.register_fake
-def _reduce_expert_grad_fake(grad, local_experts, group_name):
-    return grad.new_empty((local_experts, *grad.shape[1:]))
-
-
-def _unshard_experts_backward(ctx, grad):
-    return reduce_expert_grad(grad, ctx.local_experts, ctx.group_name), None, None
-
-
-def _unshard_experts_setup(ctx, inputs, output):
-    shard, _, group_name = inputs
-    ctx.local_experts, ctx.group_name = shard.shape[0], group_name
-
-
-unshard_experts.register_autograd(_unshard_experts_backward, setup_context=_unshard_experts_setup)
+# The markers Dynamo traces where the expert weights are read, and where their gradient leaves:
+# distinct from ZeRO's, whose group may be the very same ranks when ep = dp.
+UNSHARD_EXPERTS, REDUCE_EXPERT_GRAD = define_row_markers("unshard_experts", "reduce_expert_grad")
 
 
 class UnshardExperts(nn.Module):
@@ -91,7 +55,7 @@ class UnshardExperts(nn.Module):
         self.group_name = group_name
 
     def forward(self, shard: torch.Tensor) -> torch.Tensor:
-        return unshard_experts(shard, self.num_experts, self.group_name)
+        return UNSHARD_EXPERTS(shard, [self.num_experts, *shard.shape[1:]], self.group_name)
 
 
 def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

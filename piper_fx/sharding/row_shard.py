@@ -71,44 +71,46 @@ def sharded_parameter_info(t: object) -> ShardedParameter | None:
     return getattr(t, _INFO_ATTR, None) if isinstance(t, nn.Parameter) else None
 
 
-@torch.library.custom_op("piper::unshard", mutates_args=())
-def unshard(shard: torch.Tensor, full_shape: list[int], group_name: str) -> torch.Tensor:
-    """The full parameter from its row shards (all-gather over `group_name`)."""
-    size = dist.get_world_size(resolve_process_group(group_name))
-    return lowering.gather_rows(shard, full_shape, size, group_name).clone()
+def define_row_markers(gather_name: str, reduce_name: str):
+    """Define a pair of marker ops over row shards and return them (as `torch.ops.piper.*` overloads):
+
+    - `piper::<gather_name>(shard, full_shape, group_name)`: the full tensor of
+      `full_shape`, gathered from every rank's rows (an all-gather over the group);
+    - `piper::<reduce_name>(grad, shard_rows, group_name)`: this rank's rows of
+      the group-averaged gradient (a reduce-scatter); the gather's backward.
+
+    Dynamo traces them as opaque ops that the passes find by target and lower
+    as the strategy says; run eagerly (outside `torch.compile`) they do their
+    collectives, so a prepared model still works as a plain module.
+    """
+    def gather(shard: torch.Tensor, full_shape: list[int], group_name: str) -> torch.Tensor:
+        return lowering.gather_rows(shard, full_shape, _group_size(group_name), group_name).clone()
+
+    def reduce(grad: torch.Tensor, shard_rows: int, group_name: str) -> torch.Tensor:
+        return lowering.reduce_scatter_rows(grad, shard_rows, _group_size(group_name), group_name).clone()
+
+    gather_op = torch.library.custom_op(f"piper::{gather_name}", gather, mutates_args=())
+    reduce_op = torch.library.custom_op(f"piper::{reduce_name}", reduce, mutates_args=())
+    gather_op.register_fake(lambda shard, full_shape, group_name: shard.new_empty(full_shape))
+    reduce_op.register_fake(lambda grad, shard_rows, group_name: grad.new_empty((shard_rows, *grad.shape[1:])))
+
+    def setup_context(ctx, inputs, output):
+        shard, _, group_name = inputs
+        ctx.shard_rows, ctx.group_name = shard.shape[0], group_name
+
+    def backward(ctx, grad):
+        return reduce_op(grad, ctx.shard_rows, ctx.group_name), None, None
+
+    gather_op.register_autograd(backward, setup_context=setup_context)
+    return getattr(torch.ops.piper, gather_name).default, getattr(torch.ops.piper, reduce_name).default
 
 
-@unshard.register_fake
-def _unshard_fake(shard, full_shape, group_name):
-    return shard.new_empty(full_shape)
+def _group_size(group_name: str) -> int:
+    return dist.get_world_size(resolve_process_group(group_name))
 
-
-@torch.library.custom_op("piper::reduce_grad", mutates_args=())
-def reduce_grad(grad: torch.Tensor, shard_rows: int, group_name: str) -> torch.Tensor:
-    """This rank's row shard of the group-averaged full gradient."""
-    size = dist.get_world_size(resolve_process_group(group_name))
-    return lowering.reduce_scatter_rows(grad, shard_rows, size, group_name).clone()
-
-
-@reduce_grad.register_fake
-def _reduce_grad_fake(grad, shard_rows, group_name):
-    return grad.new_empty((shard_rows, *grad.shape[1:]))
-
-
-def _unshard_backward(ctx, grad):
-    return reduce_grad(grad, ctx.shard_rows, ctx.group_name), None, None
-
-
-def _unshard_setup(ctx, inputs, output):
-    shard, _, group_name = inputs
-    ctx.shard_rows, ctx.group_name = shard.shape[0], group_name
-
-
-unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup)
 
 # The markers Dynamo traces where a shard is read, and where its gradient leaves.
-UNSHARD = torch.ops.piper.unshard.default
-REDUCE_GRAD = torch.ops.piper.reduce_grad.default
+UNSHARD, REDUCE_GRAD = define_row_markers("unshard", "reduce_grad")
 
 
 class Unshard(nn.Module):
@@ -120,7 +122,7 @@ class Unshard(nn.Module):
         self.group_name = group_name
 
     def forward(self, shard: torch.Tensor) -> torch.Tensor:
-        return unshard(shard, self.full_shape, self.group_name)
+        return UNSHARD(shard, self.full_shape, self.group_name)
 
 
 def shard_parameters(model: nn.Module, group_name: str, group_size: int, group_rank: int,
