@@ -6,6 +6,8 @@ setup(
     description="A torch.compile backend for programmable distributed training",
     packages=find_packages(include=["piper_fx", "piper_fx.*"]),
     python_requires=">=3.10",
-    install_requires=["torch==2.13.0", "numpy"],
+    # 2.11 (what GPU images ship) through 2.13; the Makefile pins 2.13.0 (CPU build) for its venv.
+    # The private torch APIs this needs, and the version check, are in piper_fx/compat.py.
+    install_requires=["torch>=2.11,<2.14", "numpy"],
     entry_points={"torch_dynamo_backends": ["piper = piper_fx.backend:piper_backend"]},
 )

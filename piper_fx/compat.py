@@ -7,7 +7,22 @@ through 2.13 (the CPU venv's pin).
 """
 from __future__ import annotations
 
+import warnings
+
+import torch
 import torch.distributed as dist
+
+# The torch releases piper_fx runs on (major, minor), as setup.py declares them.
+OLDEST_TORCH, NEWEST_TORCH = (2, 11), (2, 13)
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+if TORCH_VERSION < OLDEST_TORCH:
+    raise ImportError(f"piper_fx needs torch {OLDEST_TORCH[0]}.{OLDEST_TORCH[1]} or newer (it uses "
+                      f"aot_export_joint_with_descriptors and Inductor's collective bucketing); this is torch "
+                      f"{torch.__version__}")
+if TORCH_VERSION > NEWEST_TORCH:
+    warnings.warn(f"piper_fx is tested on torch {OLDEST_TORCH[0]}.{OLDEST_TORCH[1]} through "
+                  f"{NEWEST_TORCH[0]}.{NEWEST_TORCH[1]}; torch {torch.__version__} may have moved a private "
+                  "API it uses (piper_fx/compat.py lists them)", stacklevel=2)
 # Joint forward + backward capture with a descriptor for every input and output (which is
 # a parameter, a tangent, a gradient of what): no public equivalent; `torch.export` gives
 # the forward only.
@@ -23,6 +38,9 @@ from torch._dynamo.exc import ShortenTraceback  # noqa: F401
 # Tracing contexts: capture and Inductor's bucketing run outside Dynamo's context (in our own
 # fake mode); `compile_fx_inner` needs one naming the task's fake mode.
 from torch._guards import TracingContext, tracing  # noqa: F401
+# The id of the frame Dynamo is compiling, which names the debug dump's folder as TORCH_LOGS and
+# tlparse name it (`graph0`, `graph0_1` for a recompile); no public accessor.
+from torch._guards import CompileContext  # noqa: F401
 # Inductor, compiling one task graph at a time with its decompositions, its config (to keep
 # the planned order of collectives), and its collective bucketing passes.
 from torch._inductor import config as inductor_config  # noqa: F401
