@@ -6,7 +6,7 @@ STAMP := $(VENV)/.piper_fx_installed
 # Compile time is this machine's cost: one Inductor cache for every process and run.
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.inductor_cache
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo clean gpu-check
 
 venv: $(STAMP)
 
@@ -23,6 +23,11 @@ test: venv
 
 demo: venv
 	$(PY) examples/train_gpt.py --nproc 4 --strategy examples/strategies/pp2_dp2_zero3_1f1b.json --steps 300 --debug-dir piper_debug
+
+# On a machine with GPUs and a CUDA build of torch (2.11 to 2.13) in $(PYTHON): not the CPU venv.
+# piper_fx against single-device PyTorch on every case that fits the GPUs (examples/device_check.py).
+gpu-check:
+	$(PYTHON) examples/device_check.py --device cuda
 
 clean:
 	rm -rf piper_debug .pytest_cache

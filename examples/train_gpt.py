@@ -4,9 +4,11 @@
     python examples/train_gpt.py --nproc 2 --strategy examples/strategies/pp2_dualpipev.json
     python examples/train_gpt.py --experts 4 --strategy examples/strategies/pp2_dp2_ep2_dualpipev.json
     torchrun --nproc-per-node 2 examples/train_gpt.py --strategy examples/strategies/zero3.json
+    torchrun --nproc-per-node 2 examples/train_gpt.py --device cuda --strategy examples/strategies/pp2_1f1b.json
 
-Run plainly, it spawns `--nproc` ranks itself (gloo, file rendezvous); under
-torchrun (RANK and WORLD_SIZE set) it is one rank. Each rank trains on its
+Run plainly, it spawns `--nproc` ranks itself (file rendezvous); under
+torchrun (RANK and WORLD_SIZE set) it is one rank. With `--device cuda` each
+rank trains on `cuda:LOCAL_RANK` over NCCL (one GPU per rank); on the CPU over gloo. Each rank trains on its
 data-parallel shard of the global batch (pipelines split it further into
 microbatches, one `piper_fx.annotate("PP")` region per transformer block;
 with `--experts`, every block's MLP is a mixture of experts whose expert
@@ -77,6 +79,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=positive_int, default=300)
     parser.add_argument("--debug-dir", default="piper_debug", help="where piper_fx writes its debug dumps")
     parser.add_argument("--codegen", choices=["inductor", "eager"], help="overrides the strategy's codegen")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: rank r on cuda:LOCAL_RANK over NCCL (one GPU per rank); cpu: gloo")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="global batch, split over dp ranks")
     parser.add_argument("--block-size", type=positive_int, default=64, help="tokens per sequence")
     return parser.parse_args()
@@ -123,10 +127,19 @@ def eval_loss(state: dict[str, torch.Tensor], cfg: GPTConfig, x: torch.Tensor, y
         return model(x, y).item()
 
 
+def rank_device(args: argparse.Namespace) -> torch.device:
+    """Where this rank trains: its own GPU (`cuda:LOCAL_RANK`), or the CPU."""
+    if args.device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     """One rank's training run; expects the process group to be initialized."""
-    # Two cores shared by all ranks: more intra-op threads only oversubscribe them.
-    torch.set_num_threads(1)
+    device = rank_device(args)
+    if device.type == "cpu":
+        # Two cores shared by all ranks: more intra-op threads only oversubscribe them.
+        torch.set_num_threads(1)
     text = load_corpus()
     tokenizer = CharTokenizer(text)
     tokens = tokenizer.encode(text)
@@ -138,7 +151,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     cfg = GPTConfig(vocab_size=len(tokenizer), block_size=args.block_size, n_layer=max(args.n_layer, stages),
                     n_head=4, n_embd=64, n_expert=args.experts)
     torch.manual_seed(0)  # every rank builds the same initial weights
-    model = GPT(cfg)
+    model = GPT(cfg).to(device)
     if strategy.pp > 1:
         model.block_context = lambda: piper_fx.annotate("PP")
     if args.experts:
@@ -158,7 +171,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     last_step = 0
     for i in range(args.steps):
         x, y = batches(tokens, args.batch_size, args.block_size, i, strategy.dp_index, strategy.dp)
-        loss = step(x, y)
+        loss = step(x.to(device), y.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -233,7 +246,9 @@ def print_summary(summaries: list[dict], tokens_per_step: int) -> None:
 
 
 def run_rank(rank: int, world_size: int, init_method: str, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+    if args.device == "cuda":
+        torch.cuda.set_device(rank_device(args))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=init_method, rank=rank, world_size=world_size,
                             timeout=COLLECTIVE_TIMEOUT)
     try:
         train(rank, world_size, args)

@@ -1,0 +1,218 @@
+"""Check that piper_fx trains exactly like single-device PyTorch on this machine's device.
+
+    make gpu-check                                            # every case that fits the GPUs here
+    python examples/device_check.py --device cpu --nproc 2    # the same cases on CPU ranks (gloo)
+    python examples/device_check.py --cases dp2_zero3,pp2_1f1b
+
+Each case spawns its ranks (NCCL with one GPU per rank, `cuda:LOCAL_RANK`;
+gloo on CPU), trains the example GPT with piper_fx for a few AdamW steps, each
+rank on its data-parallel shard of a fixed global batch, and beside it, on
+rank 0, the same model in plain single-device PyTorch on the whole batch. It
+prints per case the largest relative error of the losses and of the final
+parameters, and exits non-zero if any is above fp32 tolerance (TF32 is turned
+off on both sides, so the two runs differ only by summation order).
+
+A case runs when the machine has its world size: NCCL gives each rank a GPU
+of its own, so one GPU runs the world-1 cases only.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # runnable from a checkout without `pip install`
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor_cache"))
+
+import argparse
+import json
+import tempfile
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import piper_fx
+from examples.gpt import GPT, GPTConfig
+
+STEPS = 4
+ROWS_PER_RANK = 4
+# Losses and parameters after STEPS AdamW steps, relative to their largest magnitude. Summing in
+# another order (microbatches, reductions over ranks, fused kernels) moves fp32 results by ~1e-6;
+# AdamW's eps (1e-4, as in tests/training.py) keeps that from being amplified into a whole step.
+RTOL = 1e-4
+CONFIG = dict(vocab_size=37, block_size=16, n_layer=4, n_head=2, n_embd=32)
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+PIPELINE = {"microbatches": 4}
+CASES: dict[str, tuple[int, dict]] = {
+    "single_eager": (1, {"codegen": "eager"}),
+    "single_inductor": (1, {"codegen": "inductor"}),
+    "dp2_zero0": (2, {"mesh": {"dp": 2}, "zero": 0, "codegen": "inductor"}),
+    "dp2_zero1": (2, {"mesh": {"dp": 2}, "zero": 1, "codegen": "eager"}),
+    "dp2_zero2": (2, {"mesh": {"dp": 2}, "zero": 2, "codegen": "eager"}),
+    "dp2_zero3": (2, {"mesh": {"dp": 2}, "zero": 3, "codegen": "inductor"}),
+    "pp2_gpipe": (2, {"mesh": {"pp": 2}, "pipeline": {**PIPELINE, "schedule": "gpipe"}, "codegen": "eager"}),
+    "pp2_1f1b": (2, {"mesh": {"pp": 2}, "pipeline": {**PIPELINE, "schedule": "1f1b"}, "codegen": "inductor"}),
+    "pp2_interleaved_1f1b": (2, {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {
+        **PIPELINE, "schedule": "interleaved_1f1b", "stages_per_rank": 2}}),
+    "pp2_zb1p": (2, {"mesh": {"pp": 2}, "pipeline": {**PIPELINE, "schedule": "zb1p"}, "codegen": "eager"}),
+    "pp2_zbv": (2, {"mesh": {"pp": 2}, "pipeline": {**PIPELINE, "schedule": "zbv"}, "codegen": "eager"}),
+    "pp2_dualpipev": (2, {"mesh": {"pp": 2}, "pipeline": {**PIPELINE, "schedule": "dualpipev"},
+                          "codegen": "eager"}),
+    "pp2_dp2_zero3_1f1b": (4, {"mesh": {"pp": 2, "dp": 2}, "zero": 3, "codegen": "inductor",
+                               "pipeline": {**PIPELINE, "schedule": "1f1b"}}),
+    "pp2_dp2_zero1_dualpipev": (4, {"mesh": {"pp": 2, "dp": 2}, "zero": 1, "codegen": "eager",
+                                    "pipeline": {**PIPELINE, "schedule": "dualpipev"}}),
+}
+
+
+def global_batch(step: int, rows: int, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), generator=g),
+            torch.randint(0, cfg.vocab_size, (rows, cfg.block_size), generator=g))
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-12)).item()
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)
+
+
+def run_case(rank: int, world: int, device: torch.device, options: dict) -> dict | None:
+    """Train piper_fx on this rank and, on rank 0, the single-device reference; rank 0 returns the errors."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    strategy = piper_fx.parse_options(options)
+    cfg = GPTConfig(**CONFIG)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    if strategy.pp > 1:
+        model.block_context = lambda: piper_fx.annotate("PP")
+    reference = GPT(cfg).to(device) if rank == 0 else None
+    if reference is not None:
+        reference.load_state_dict(model.state_dict())
+    piper_fx.prepare(model, options)
+    opt = adamw(model.parameters())
+    ref_opt = adamw(reference.parameters()) if reference is not None else None
+    step = torch.compile(model, backend="piper", options=options)
+    loss_errors = []
+    for i in range(STEPS):
+        x, y = (t.to(device) for t in global_batch(i, ROWS_PER_RANK * strategy.dp, cfg))
+        loss = step(x.chunk(strategy.dp)[strategy.dp_index], y.chunk(strategy.dp)[strategy.dp_index])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)  # each replica's loss is its shard's mean; every pipeline rank reports it
+        if reference is not None:
+            ref_loss = reference(x, y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            loss_errors.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+    state = piper_fx.full_state_dict(model)  # collective: every rank takes part
+    if reference is None:
+        return None
+    expected = reference.state_dict()
+    return {"loss": max(loss_errors),
+            "params": max(relative_error(state[name].to(device), value) for name, value in expected.items())}
+
+
+def rank_main(rank: int, world: int, device_type: str, init_method: str, case: str, result_path: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        result = run_case(rank, world, device, CASES[case][1])
+        if result is not None:
+            Path(result_path).write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_case(case: str, device_type: str) -> dict:
+    """Run one case's ranks to completion: rank 0's errors, or the failure (the first rank to exit non-zero)."""
+    world = CASES[case][0]
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+        procs = [ctx.Process(target=rank_main, args=(r, world, device_type, init_method, case, result_path))
+                 for r in range(world)]
+        for proc in procs:
+            proc.start()
+        failed = None
+        try:
+            running = dict(enumerate(procs))
+            while running and failed is None:
+                wait([proc.sentinel for proc in running.values()])
+                for r, proc in list(running.items()):
+                    if proc.exitcode is not None:
+                        del running[r]
+                        if proc.exitcode != 0 and failed is None:
+                            failed = f"rank {r} failed with exit code {proc.exitcode}"
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+                proc.join()
+        if failed is not None:
+            return {"error": failed}
+        return json.loads(Path(result_path).read_text())
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks available (default: the number of GPUs; on CPU, 4)")
+    parser.add_argument("--cases", default=None, help=f"comma-separated, of: {', '.join(CASES)}")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("device_check: --device cuda, but torch sees no GPU", file=sys.stderr)
+        return 2
+    available = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 4)
+    names = args.cases.split(",") if args.cases else list(CASES)
+    unknown = [name for name in names if name not in CASES]
+    if unknown:
+        print(f"device_check: unknown cases {unknown}; known: {', '.join(CASES)}", file=sys.stderr)
+        return 2
+    device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, device {args.device} ({device_name}), {available} rank(s) available, "
+          f"{STEPS} AdamW steps, tolerance {RTOL:g} (relative)")
+    print(f"{'case':<26} {'world':>5} {'loss err':>10} {'param err':>10}  result")
+    bad = 0
+    for name in names:
+        world = CASES[name][0]
+        if world > available:
+            print(f"{name:<26} {world:>5} {'':>10} {'':>10}  not run: needs {world} ranks")
+            continue
+        result = spawn_case(name, args.device)
+        if "error" in result:
+            bad += 1
+            print(f"{name:<26} {world:>5} {'':>10} {'':>10}  FAILED: {result['error']}")
+            continue
+        ok = result["loss"] <= RTOL and result["params"] <= RTOL
+        bad += not ok
+        print(f"{name:<26} {world:>5} {result['loss']:>10.2e} {result['params']:>10.2e}  "
+              f"{'equal' if ok else 'DIFFERENT'}", flush=True)
+    print("all cases equal" if bad == 0 else f"{bad} case(s) not equal")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
