@@ -9,6 +9,7 @@ import contextlib
 import os
 import queue
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Iterator
@@ -52,11 +53,23 @@ def _spawned(fn, world_size, args, deadline_s, collective_timeout_s) -> Iterator
         for p in procs:
             p.start()
 
+        deadline = time.monotonic() + deadline_s
+
         def next_result(waiting_for):
-            try:
-                return results.get(timeout=deadline_s)
-            except queue.Empty:
-                raise AssertionError(f"ranks {sorted(waiting_for)} did not finish within {deadline_s}s") from None
+            # Polled, so a rank that dies without reporting (killed, or failing to unpickle `fn`
+            # because an import fails) ends the run at once rather than at the deadline.
+            while time.monotonic() < deadline:
+                try:
+                    return results.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                except queue.Empty:
+                    pass
+                dead = [r for r in sorted(waiting_for) if procs[r].exitcode not in (None, 0)]
+                if dead:
+                    with contextlib.suppress(queue.Empty):
+                        return results.get(timeout=1.0)  # it may have reported just before dying
+                    raise RankFailed(dead[0], f"its process exited with code {procs[dead[0]].exitcode} "
+                                              "before reporting (its stderr is above)")
+            raise AssertionError(f"ranks {sorted(waiting_for)} did not finish within {deadline_s}s")
 
         try:
             yield next_result
