@@ -10,26 +10,17 @@
 
 `split` sets the microbatches, `place` puts a stage on a pipeline rank, `order`
 lists a rank's actions (`<kind><stage>.<microbatch>`, kinds F, B, I, W; an
-overlapped F&B pair as `F<s>.<m>&B<s>.<m>`). The
+overlapped F&B pair as `F<s>.<m>&B<s>.<m>`: `schedules.Action.from_str` and
+`schedules.step_from_str` read them). The
 result is a `schedules.Schedule`, validated like every preset. Piper's
 `replicate` and `shard` directives map to `options["zero"]` and mesh
 dimensions here and are refused in this list with a message saying so.
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Sequence
 
-from .schedules import Action, Schedule
-
-_ACTION = re.compile(r"^([FBIW])(\d+)\.(\d+)$")
-
-
-def _action(text: str) -> Action:
-    match = _ACTION.match(text) if isinstance(text, str) else None
-    if match is None:
-        raise ValueError(f"action {text!r} is not <kind><stage>.<microbatch> with kind F, B, I or W")
-    return Action(int(match[2]), match[1], int(match[3]))
+from .schedules import Action, Schedule, ScheduleError, step_from_str
 
 
 def schedule_from_directives(directives: Sequence[Any], pp: int) -> Schedule:
@@ -49,16 +40,7 @@ def schedule_from_directives(directives: Sequence[Any], pp: int) -> Schedule:
         elif verb == "place":
             placement[body["stage"]] = body["rank"]
         elif verb == "order":
-            row, paired = [], set()
-            for text in body["actions"]:
-                parts = text.split("&") if isinstance(text, str) else [text]
-                if len(parts) == 2:
-                    paired.add(len(row))
-                elif len(parts) > 2:
-                    raise ValueError(f"{where}: {text!r} pairs more than two actions")
-                row += [_action(part) for part in parts]
-            orders[body["rank"]] = row
-            pairs[body["rank"]] = paired
+            orders[body["rank"]], pairs[body["rank"]] = _order(where, body["actions"])
         elif verb in ("replicate", "shard"):
             raise ValueError(f"{where}: use options['zero'] and options['mesh'] for data-parallel "
                              "replication and sharding; directives here describe the pipeline")
@@ -71,3 +53,18 @@ def schedule_from_directives(directives: Sequence[Any], pp: int) -> Schedule:
         raise ValueError(f"'place' directives must place stages 0..S-1, got stages {stages}")
     return Schedule("directives", pp, microbatches, tuple(placement[s] for s in stages),
                     [orders.get(rank, []) for rank in range(pp)], pairs=[pairs.get(rank, set()) for rank in range(pp)])
+
+
+def _order(where: str, steps: Sequence[Any]) -> tuple[list[Action], set[int]]:
+    """A rank's actions and the positions of its overlapped pairs, from its steps' text."""
+    row: list[Action] = []
+    paired: set[int] = set()
+    for text in steps:
+        try:
+            step = step_from_str(text)
+        except ScheduleError as e:
+            raise ValueError(f"{where}: {e}") from None
+        if len(step) == 2:
+            paired.add(len(row))
+        row += step
+    return row, paired

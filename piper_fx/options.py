@@ -11,7 +11,7 @@ Each option maps onto the pass that consumes it:
 |              | (schedule, microbatches), runtime.step (input split)     |
 | zero         | prepare (layout), passes.unshard_parameters,             |
 |              | passes.reduce_gradients                                  |
-| bucket_mb    | collectives.bucketing (size cap of one flat bucket)      |
+| bucket_mb    | passes.bucket_collectives (size cap of one flat bucket)  |
 | overlap      | passes.reorder_for_overlap (prefetch gathers, sink waits)|
 | prefetch     | passes.reorder_for_overlap (ZeRO-3 layers gathered ahead)|
 | units        | sharding.units (the layers ZeRO-3 gathers one at a time) |
@@ -111,19 +111,32 @@ def _process_group_world() -> tuple[int, int]:
 
 
 def parse_options(options: Mapping[str, Any] | None) -> Strategy:
-    """Validate `options` against the process group and return the `Strategy`."""
+    """Validate `options` against the process group and return the `Strategy`.
+
+    Each step checks a group of options and returns their `Strategy` fields;
+    they run in the order written, so the first bad option is the one named."""
+    options = _options_mapping(options)
+    world_size, rank = _process_group_world()
+    dp, pp, ep = _parse_mesh(options.get("mesh", {}), world_size)
+    return Strategy(dp=dp, pp=pp, ep=ep, world_size=world_size, rank=rank, **_parse_zero(options),
+                    **_parse_communication(options), **_parse_codegen(options), **_parse_debug_dir(options),
+                    **_parse_schedule(options, pp))
+
+
+def _options_mapping(options: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """The options as a mapping of known top-level keys."""
     if options is None:
-        options = {}
+        return {}
     if not isinstance(options, Mapping):
         raise PiperConfigError("options", options, "a dict of strategy options")
     for key in options:
         if key not in TOP_LEVEL_KEYS:
             raise PiperConfigError(key, options[key], f"unknown option; valid options are {list(TOP_LEVEL_KEYS)}")
+    return options
 
-    world_size, rank = _process_group_world()
-    launched_world = 1 if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1)
 
-    mesh = options.get("mesh", {})
+def _parse_mesh(mesh: Any, world_size: int) -> tuple[int, int, int]:
+    """(dp, pp, ep): dp defaults to what pp leaves of the world; pp * dp must be the world."""
     if not isinstance(mesh, Mapping):
         raise PiperConfigError("mesh", mesh, "a dict such as {'dp': 2}")
     for dim, size in mesh.items():
@@ -133,7 +146,7 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
             raise PiperConfigError(f"mesh.{dim}", size, "a positive int")
     pp = mesh.get("pp", 1)
     dp = mesh.get("dp", max(1, world_size // pp))
-
+    launched_world = 1 if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1") or 1)
     if not dist.is_initialized() and (dp * pp > 1 or launched_world > 1):
         raise PiperConfigError(
             "mesh", dict(mesh) or {"dp": dp},
@@ -147,15 +160,21 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
     if dp % ep:
         raise PiperConfigError("mesh.ep", ep, f"a divisor of dp={dp}: the experts are shared out over ep of the "
                                               "data-parallel ranks and replicated over the dp/ep groups of them")
+    return dp, pp, ep
 
+
+def _parse_zero(options: Mapping[str, Any]) -> dict[str, Any]:
     zero = options.get("zero", 0)
     if not _is_int(zero) or zero not in ZERO_LEVELS:
         raise PiperConfigError("zero", zero, f"one of {list(ZERO_LEVELS)}")
+    return {"zero": zero}
 
+
+def _parse_communication(options: Mapping[str, Any]) -> dict[str, Any]:
+    """How collectives are bucketed and overlapped, and the units ZeRO-3 gathers."""
     bucket_mb = options.get("bucket_mb", 25.0)
     if not isinstance(bucket_mb, (int, float)) or isinstance(bucket_mb, bool) or not bucket_mb > 0:
         raise PiperConfigError("bucket_mb", bucket_mb, "a positive number of megabytes")
-
     overlap = options.get("overlap", True)
     if not isinstance(overlap, bool):
         raise PiperConfigError("overlap", overlap, "True or False")
@@ -168,18 +187,29 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
         raise PiperConfigError("units", units, "None (find the repeated layers automatically) or a non-empty list "
                                                "of module class names ('LlamaDecoderLayer') or fnmatch patterns on "
                                                "module names ('model.layers.*')")
+    return {"bucket_mb": float(bucket_mb), "overlap": overlap, "prefetch": prefetch,
+            "units": None if units is None else tuple(units)}
 
+
+def _parse_codegen(options: Mapping[str, Any]) -> dict[str, Any]:
     codegen = options.get("codegen", "inductor")
     if codegen not in CODEGENS:
         raise PiperConfigError("codegen", codegen, f"one of {list(CODEGENS)}")
     profile = options.get("profile", False)
     if not isinstance(profile, bool):
         raise PiperConfigError("profile", profile, "True or False")
+    return {"codegen": codegen, "profile": profile}
 
+
+def _parse_debug_dir(options: Mapping[str, Any]) -> dict[str, Any]:
     debug_dir = options.get("debug_dir", os.environ.get("PIPER_DEBUG_DIR") or None)
     if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
         raise PiperConfigError("debug_dir", debug_dir, "a directory path (str or os.PathLike) or None")
+    return {"debug_dir": os.fspath(debug_dir) if debug_dir is not None else None}
 
+
+def _parse_schedule(options: Mapping[str, Any], pp: int) -> dict[str, Any]:
+    """The pipeline schedule, from `directives` or from `pipeline` (a preset or the user's own)."""
     if "directives" in options:
         if "pipeline" in options:
             raise PiperConfigError("directives", options["directives"],
@@ -189,22 +219,13 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
             "directives", lambda: schedule_from_directives(options["directives"], pp), pp)
     else:
         schedule, microbatches, stages_per_rank = _parse_pipeline(options.get("pipeline"), pp)
-    return Strategy(
-        dp=dp, pp=pp, ep=ep, zero=zero, bucket_mb=float(bucket_mb), overlap=overlap, prefetch=prefetch,
-        units=None if units is None else tuple(units), codegen=codegen, profile=profile,
-        debug_dir=os.fspath(debug_dir) if debug_dir is not None else None,
-        world_size=world_size, rank=rank,
-        schedule=schedule, microbatches=microbatches, stages_per_rank=stages_per_rank,
-    )
+    return {"schedule": schedule, "microbatches": microbatches, "stages_per_rank": stages_per_rank}
 
 
-def _parse_pipeline(pipeline: Any, pp: int) -> tuple[str, int, int]:
-    from .schedules import PRESETS, V_SHAPED, min_microbatches
-
+def _parse_pipeline(pipeline: Any, pp: int) -> tuple[Any, int, int]:
+    """(schedule, microbatches, stages_per_rank) from options['pipeline']."""
     if pipeline is None:
-        if pp > 1:
-            return "1f1b", pp, 1
-        return "1f1b", 1, 1
+        return "1f1b", pp, 1
     if not isinstance(pipeline, Mapping):
         raise PiperConfigError("pipeline", pipeline, "a dict such as {'schedule': '1f1b', 'microbatches': 8}")
     for key in pipeline:
@@ -218,37 +239,29 @@ def _parse_pipeline(pipeline: Any, pp: int) -> tuple[str, int, int]:
                 raise PiperConfigError(f"pipeline.{key}", pipeline[key],
                                        "absent: a custom schedule brings its own microbatches and stages")
         return _custom_schedule("pipeline.schedule", lambda: _build_custom(schedule, pp), pp)
-    if schedule not in PRESETS:
-        raise PiperConfigError("pipeline.schedule", schedule,
+    return _parse_preset(schedule, pipeline, pp)
+
+
+# The option each parameter of a preset's shape comes from.
+_SHAPE_OPTIONS = {"ranks": "mesh.pp", "stages_per_rank": "pipeline.stages_per_rank",
+                  "microbatches": "pipeline.microbatches"}
+
+
+def _parse_preset(name: str, pipeline: Mapping[str, Any], pp: int) -> tuple[str, int, int]:
+    """A preset's name and shape, checked by the preset itself (`schedules.Preset.check`)."""
+    from .schedules import PRESETS, ShapeError
+
+    if name not in PRESETS:
+        raise PiperConfigError("pipeline.schedule", name,
                                f"one of {sorted(PRESETS)}, a schedules.Schedule, or a builder returning one")
-    if schedule == "dualpipe" and pp % 2:
-        raise PiperConfigError("mesh.pp", pp, "an even number of pipeline ranks for dualpipe (two copies of the "
-                                              "stages meet in the middle); dualpipev runs on any number")
-    interleaved = schedule == "interleaved_1f1b"
-    stages_per_rank = pipeline.get("stages_per_rank", 2 if interleaved or schedule in V_SHAPED else 1)
-    if not _is_int(stages_per_rank) or stages_per_rank < 1:
-        raise PiperConfigError("pipeline.stages_per_rank", stages_per_rank, "a positive int")
-    if schedule in V_SHAPED:
-        if stages_per_rank != 2:
-            raise PiperConfigError("pipeline.stages_per_rank", stages_per_rank,
-                                   f"2 for {schedule} (two stages per rank, in a V)")
-    elif interleaved and stages_per_rank < 2:
-        raise PiperConfigError("pipeline.stages_per_rank", stages_per_rank, "at least 2 for interleaved_1f1b")
-    elif not interleaved and stages_per_rank != 1:
-        raise PiperConfigError("pipeline.stages_per_rank", stages_per_rank,
-                               f"1 for {schedule} (use interleaved_1f1b for several stages per rank)")
+    preset = PRESETS[name]
+    stages_per_rank = pipeline.get("stages_per_rank", preset.stages_per_rank)
     microbatches = pipeline.get("microbatches", pp)
-    least = min_microbatches(schedule, pp, stages_per_rank)
-    if not _is_int(microbatches) or microbatches < least:
-        raise PiperConfigError("pipeline.microbatches", microbatches,
-                               f"an int >= {least} for {schedule} with pp={pp}")
-    if schedule == "dualpipe" and microbatches % 2:
-        raise PiperConfigError("pipeline.microbatches", microbatches,
-                               "an even number for dualpipe (half of them enter from each end)")
-    if interleaved and microbatches % pp:
-        raise PiperConfigError("pipeline.microbatches", microbatches,
-                               f"a multiple of pp={pp} for interleaved_1f1b")
-    return schedule, microbatches, stages_per_rank
+    try:
+        preset.check(pp, microbatches, stages_per_rank)
+    except ShapeError as e:
+        raise PiperConfigError(_SHAPE_OPTIONS[e.parameter], e.value, e.valid) from None
+    return name, microbatches, stages_per_rank
 
 
 def _build_custom(schedule: Any, pp: int):

@@ -207,3 +207,17 @@ def test_directives_write_overlapped_pairs_with_an_ampersand():
     waits = ["F0.0&B0.0", "F0.1", "B0.1"]
     with pytest.raises(PiperConfigError, match=r"B0\.0 waits for F0\.0, so they cannot run overlapped"):
         parse_options({"directives": ONE_RANK + [{"order": {"rank": 0, "actions": waits}}]})
+
+
+@pytest.mark.parametrize("name, microbatches, stages_per_rank", [
+    ("zbv", 1, 3), ("dualpipev", 1, 2), ("interleaved_1f1b", 1, 1), ("gpipe", 0, 1), ("1f1b", 1, "2")])
+def test_pipeline_shapes_are_checked_by_the_preset(name, microbatches, stages_per_rank):
+    from piper_fx.schedules import PRESETS, ShapeError
+
+    with pytest.raises(ShapeError) as shape:
+        PRESETS[name].check(1, microbatches, stages_per_rank)
+    with pytest.raises(PiperConfigError) as info:
+        parse_options({"pipeline": {"schedule": name, "microbatches": microbatches,
+                                    "stages_per_rank": stages_per_rank}})
+    assert info.value.key == f"pipeline.{shape.value.parameter}"
+    assert (info.value.value, info.value.valid) == (shape.value.value, shape.value.valid)

@@ -318,3 +318,50 @@ def test_the_custom_schedule_example_round_trips_through_directives():
     deferred = schedules.simulate(custom, COSTS)
     assert deferred.makespan < one_f_one_b.makespan  # W's fill the cool-down bubble...
     assert max(deferred.peak_activations) > max(one_f_one_b.peak_activations)  # ...holding activations longer
+
+
+def test_one_vocabulary_reads_back_what_it_prints():
+    from piper_fx.schedules import ActionKind, step_from_str, step_str
+
+    assert Action(0, "F", 1).kind is ActionKind.F and Action(0, ActionKind.W, 1) == Action(0, "W", 1)
+    for name in ("zb1p", "dualpipev"):
+        built = schedules.build(name, 3, 6, schedules.PRESETS[name].stages_per_rank)
+        for rank in range(built.num_ranks):
+            assert [Action.from_str(str(a)) for a in built.actions[rank]] == built.actions[rank]
+            steps = built.steps(rank)
+            assert [step_from_str(step_str(step)) for step in steps] == steps
+    assert step_str(step_from_str("F0.1&B3.0")) == "F0.1&B3.0"
+    with pytest.raises(ScheduleError, match="unknown action kind 'X'"):
+        Action(0, "X", 0)
+    with pytest.raises(ScheduleError, match="not of one"):
+        Action(0, ActionKind.OVERLAP_F_B, 0)
+    with pytest.raises(ScheduleError, match=r"'F0\.0&B0\.0&W0\.0' pairs more than two actions"):
+        step_from_str("F0.0&B0.0&W0.0")
+
+
+def test_every_shape_a_preset_accepts_builds_a_valid_schedule():
+    accepted = 0
+    for preset in schedules.PRESETS.values():
+        for pp, stages_per_rank in itertools.product(range(1, 7), (1, 2, 3)):
+            for microbatches in range(1, 3 * pp + 3):
+                try:
+                    preset.check(pp, microbatches, stages_per_rank)
+                except schedules.ShapeError:
+                    continue
+                built = schedules.validate(preset(pp, microbatches, stages_per_rank))
+                assert built.stages_per_copy == pp * stages_per_rank, (preset.name, pp, microbatches)
+                accepted += 1
+    assert accepted > 300
+
+
+def test_presets_state_their_own_rules():
+    dualpipe = schedules.PRESETS["dualpipe"]
+    for shape, parameter in [((3, 6, 1), "ranks"), ((2, 4, 2), "stages_per_rank"), ((2, 3, 1), "microbatches"),
+                             ((2, 5, 1), "microbatches")]:
+        with pytest.raises(schedules.ShapeError) as info:
+            dualpipe.check(*shape)
+        assert info.value.parameter == parameter
+    assert schedules.PRESETS["interleaved_1f1b"].stages_per_rank == 2
+    assert schedules.min_microbatches("dualpipev", 4, 2) == 8 and schedules.min_microbatches("gpipe", 4, 1) == 1
+    assert schedules.V_SHAPED == {"zbv", "dualpipev"}
+    assert schedules.SPLIT_BACKWARD == {"zb1p", "zbv", "dualpipev", "dualpipe"}

@@ -96,3 +96,14 @@ def test_a_schedule_from_torchs_format_trains_like_one_process(rank_pools):
         for config, run in zip(configs, outcome["value"]):
             assert max(run["loss_errors"]) < 1e-5, (rank, config, run["loss_errors"])
             assert max(run["param_errors"].values()) < 1e-5, (rank, config, run["param_errors"])
+
+
+def test_action_kinds_are_torchs_computation_types():
+    from piper_fx.schedules import ActionKind
+
+    for kind in ActionKind:
+        assert torch_schedules._ComputationType(kind.value).value == str(kind)
+    built = schedules.build("dualpipev", 2, 4, 2)
+    torch_rows = [[str(torch_schedules._Action.from_str(cell)) for cell in row]
+                  for row in schedules.to_torch_rows(built)]
+    assert torch_rows == schedules.to_torch_rows(built)  # torch reads and prints our cells as they are

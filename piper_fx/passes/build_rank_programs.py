@@ -29,27 +29,63 @@ one rank running P0, F0, B0, E0 (those that exist).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..ir import (InputRole, Instruction, OutputRole, RankProgram, Recv, Run, Send, Task, TaskKind,
                   TrainingDAG)
 from ..options import Strategy
-from .fuse_overlapped_pairs import fuse_tasks
+from ..schedules import PAIR_SEPARATOR, Action, Schedule
+from .task_graphs import fuse_tasks
 
 ONCE_PER_STEP = (TaskKind.P, TaskKind.E)
 
+# A task to run, for a microbatch, or None for a once-per-step task.
+Planned = tuple[Task, int | None]
+
 
 def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
-    schedule = dag.schedule
-    M = strategy.microbatches
+    flow = _value_flow(dag)
+    transfers = _Transfers(dag, strategy, flow)
+    summed = _summed_over_ranks(dag, strategy, flow)
     tasks = {(t.stage, t.kind): t for t in dag.tasks}
     fused: dict[str, Task] = {}  # one fused task per pair of tasks, shared by every rank running it
-    joint_nodes = {n.name: n for n in dag.joint.graph.nodes}
+    for pp_rank in range(strategy.pp):
+        instructions = _lower_steps(_planned_steps(dag.schedule, tasks, pp_rank), transfers, pp_rank)
+        instructions += _sum_over_ranks(summed, flow, transfers, pp_rank)
+        rank = transfers.global_rank(pp_rank)
+        dag.programs[rank] = RankProgram(
+            rank=rank,
+            tasks=_program_tasks(dag, instructions, fused),
+            instructions=instructions,
+            inputs=[i.name for i in dag.inputs],
+            per_step=flow.per_step,
+            accumulated=flow.accumulated,
+            outputs=[o.name for o in dag.outputs],
+            num_microbatches=strategy.microbatches,
+        )
+    _receive_in_send_order(dag.programs)
+    return dag
+
+
+@dataclass
+class _ValueFlow:
+    """Which task makes each value and which read it, and how often a value is made."""
+
+    producer: dict[str, Task]
+    consumers: dict[str, list[Task]]
+    per_step: set[str]     # one value per step, not per microbatch
+    accumulated: set[str]  # summed over microbatches
+    loss: str              # the loss, or for inference the first output, which plays its part
+
+
+def _value_flow(dag: TrainingDAG) -> _ValueFlow:
     producer: dict[str, Task] = {out: t for t in dag.tasks for out in t.outputs}
     consumers: dict[str, list[Task]] = {}
     for t in dag.tasks:
         for name in t.inputs:
             consumers.setdefault(name, []).append(t)
-
-    per_microbatch_inputs = {i.name for i in dag.inputs if i.role in (InputRole.INPUT, InputRole.TANGENT)}
+    per_microbatch_inputs = {i.name for i in dag.inputs
+                             if i.role in (InputRole.INPUT, InputRole.TANGENT, InputRole.RNG)}
     # Summed over microbatches: the loss, gradients, and what an epilogue reduces.
     accumulated = {o.name for o in dag.outputs if o.role in (OutputRole.LOSS, OutputRole.GRAD)}
     accumulated |= {name for name in producer if producer[name].kind not in ONCE_PER_STEP
@@ -61,149 +97,177 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     accumulated -= {name for name in accumulated if producer[name].kind in ONCE_PER_STEP}
     per_step = ({i.name for i in dag.inputs if i.name not in per_microbatch_inputs} | accumulated
                 | {name for name, t in producer.items() if t.kind in ONCE_PER_STEP})
+    return _ValueFlow(producer, consumers, per_step, accumulated, loss)
 
-    def ranks_running(stage: int) -> list[int]:
-        return sorted({schedule.stage_rank(stage, m) for m in range(M)})
 
-    def source_rank(task: Task, microbatch: int | None, reader: int) -> int:
+class _Transfers:
+    """The point-to-point transfers of one pipeline (the ranks of one data-parallel
+    index): which rank sends each value to which, and under which tag."""
+
+    def __init__(self, dag: TrainingDAG, strategy: Strategy, flow: _ValueFlow) -> None:
+        self.schedule, self.strategy, self.flow = dag.schedule, strategy, flow
+        self.joint_nodes = {n.name: n for n in dag.joint.graph.nodes}
+        self.slots = strategy.microbatches + 1  # one tag per microbatch, and one for a per-step value
+        self.index_of = {name: i for i, name in enumerate(sorted(flow.producer))}
+        self.final_tag = len(self.index_of) * self.slots  # + index among the values summed over ranks at the end
+
+    def ranks_running(self, stage: int) -> list[int]:
+        return sorted({self.schedule.stage_rank(stage, m) for m in range(self.strategy.microbatches)})
+
+    def source_rank(self, task: Task, microbatch: int | None, reader: int) -> int:
         """Where a value `task` makes for `microbatch` comes from, for a reader on pipeline rank `reader`."""
         if microbatch is not None:
-            return schedule.stage_rank(task.stage, microbatch)
-        ranks = ranks_running(task.stage)  # a per-step value: every rank running the stage has it
+            return self.schedule.stage_rank(task.stage, microbatch)
+        ranks = self.ranks_running(task.stage)  # a per-step value: every rank running the stage has it
         return reader if reader in ranks else ranks[0]
 
-    names = sorted(producer)
-    slots = M + 1  # one tag per microbatch, and one for a per-step value
-    index_of = {name: i for i, name in enumerate(names)}
+    def tag(self, name: str, microbatch: int | None) -> int:
+        return self.index_of[name] * self.slots + (self.strategy.microbatches if microbatch is None else microbatch)
 
-    def tag(name: str, microbatch: int | None) -> int:
-        return index_of[name] * slots + (M if microbatch is None else microbatch)
+    def global_rank(self, pp_rank: int) -> int:
+        return pp_rank * self.strategy.dp + self.strategy.dp_index
 
-    final_tag = len(names) * slots  # + index among the values summed over ranks at the end
+    def microbatch_of(self, name: str, microbatch: int | None) -> int | None:
+        """The microbatch a value is keyed by when a task runs for `microbatch`: None if per step."""
+        return None if name in self.flow.per_step else microbatch
 
-    def global_rank(pp_rank: int) -> int:
-        return pp_rank * strategy.dp + strategy.dp_index
+    def send(self, name: str, microbatch: int | None, peer: int, tag: int) -> Send:
+        val = self.joint_nodes[name].meta["val"]
+        return Send(name, microbatch, self.global_rank(peer), tag, val.numel() * val.element_size())
 
-    def nbytes(name: str) -> int:
-        val = joint_nodes[name].meta["val"]
-        return val.numel() * val.element_size()
+    def recv(self, name: str, microbatch: int | None, peer: int, tag: int, accumulate: bool = False) -> Recv:
+        val = self.joint_nodes[name].meta["val"]
+        return Recv(name, microbatch, self.global_rank(peer), tag, tuple(val.shape), val.dtype, accumulate,
+                    val.device)
 
-    def recv(name: str, microbatch: int | None, peer: int, tag_: int, accumulate: bool = False) -> Recv:
-        val = joint_nodes[name].meta["val"]
-        return Recv(name, microbatch, global_rank(peer), tag_, tuple(val.shape), val.dtype, accumulate, val.device)
+    def receives(self, task: Task, microbatch: int | None, pp_rank: int,
+                 received: set[tuple[str, int | None]]) -> list[Instruction]:
+        """The receives `pp_rank` posts for the inputs of `task` made elsewhere and not yet `received`."""
+        out = []
+        for name in task.inputs:
+            source = self.flow.producer.get(name)
+            m = self.microbatch_of(name, microbatch)
+            if source is None or (name, m) in received:
+                continue
+            peer = self.source_rank(source, m, pp_rank)
+            if peer != pp_rank:
+                out.append(self.recv(name, m, peer, self.tag(name, m)))
+                received.add((name, m))
+        return out
 
-    # Values summed over pipeline ranks at the end of the step: the loss, and
-    # the gradients of parameters held by several ranks.
+    def sends(self, task: Task, microbatch: int | None, pp_rank: int) -> list[Instruction]:
+        """The sends of what `task` made on `pp_rank` to the other ranks that read it from there."""
+        out: list[Instruction] = []
+        for name in task.outputs:
+            if name in self.flow.accumulated:
+                continue  # complete only after the last microbatch; read by this rank's epilogue
+            m = self.microbatch_of(name, microbatch)
+            peers = set()
+            for reader in self.flow.consumers.get(name, []):
+                for reader_rank in ([self.schedule.stage_rank(reader.stage, m)] if m is not None
+                                    else self.ranks_running(reader.stage)):
+                    if reader_rank != pp_rank and self.source_rank(task, m, reader_rank) == pp_rank:
+                        peers.add(reader_rank)
+            out.extend(self.send(name, m, p, self.tag(name, m)) for p in sorted(peers))
+        return out
+
+
+def _planned_steps(schedule: Schedule, tasks: dict[tuple[int, TaskKind], Task],
+                   pp_rank: int) -> list[tuple[list[Planned], list[Planned], list[Planned]]]:
+    """Each step of the rank's schedule row (an action or an overlapped pair) as the
+    tasks it runs: (prologues, the actions' tasks, epilogues), with a stage's
+    prologue before its first action and its epilogue after its last."""
+    row: list[Action] = schedule.actions[pp_rank]
+    first = {}
+    last = {}
+    for index, action in enumerate(row):
+        first.setdefault(action.stage, index)
+        last[action.stage] = index
+    planned, index = [], 0
+    for step in schedule.steps(pp_rank):
+        before, actions, after = [], [], []
+        for action in step:
+            stage = schedule.model_stage(action.stage)
+            if first[action.stage] == index and (stage, TaskKind.P) in tasks:
+                before.append((tasks[(stage, TaskKind.P)], None))
+            if (stage, TaskKind.of(action.kind)) in tasks:
+                actions.append((tasks[(stage, TaskKind.of(action.kind))], action.microbatch))
+            if last[action.stage] == index and (stage, TaskKind.E) in tasks:
+                after.append((tasks[(stage, TaskKind.E)], None))
+            index += 1
+        planned.append((before, actions, after))
+    return planned
+
+
+def _run_and_send(planned: list[Planned], transfers: _Transfers, pp_rank: int) -> list[Instruction]:
+    """One task's run, or an overlapped pair's fused run, then the sends of what they made."""
+    runs = [Run(task.name, m) for task, m in planned]
+    run = runs[0] if len(runs) == 1 else Run(PAIR_SEPARATOR.join(r.task for r in runs), None, tuple(runs))
+    return [run] + [send for task, m in planned for send in transfers.sends(task, m, pp_rank)]
+
+
+def _lower_steps(steps: list[tuple[list[Planned], list[Planned], list[Planned]]], transfers: _Transfers,
+                 pp_rank: int) -> list[Instruction]:
+    """The steps as instructions: each step's receives, posted one step ahead (so they
+    arrive while the rank computes), then its runs and sends. A pair's two tasks
+    run as one fused task, after both prologues and before both epilogues."""
+    received: set[tuple[str, int | None]] = set()
+    lowered: list[tuple[list[Instruction], list[Instruction]]] = []
+    for before, actions, after in steps:
+        recvs = [r for task, m in before + actions + after for r in transfers.receives(task, m, pp_rank, received)]
+        runs = [i for item in before for i in _run_and_send([item], transfers, pp_rank)]
+        if actions:
+            runs += _run_and_send(actions, transfers, pp_rank)
+        runs += [i for item in after for i in _run_and_send([item], transfers, pp_rank)]
+        lowered.append((recvs, runs))
+    instructions: list[Instruction] = list(lowered[0][0]) if lowered else []
+    for k, (_, runs) in enumerate(lowered):
+        if k + 1 < len(lowered):
+            instructions += lowered[k + 1][0]  # post the next step's receives before running this one
+        instructions += runs
+    return instructions
+
+
+def _summed_over_ranks(dag: TrainingDAG, strategy: Strategy, flow: _ValueFlow) -> dict[str, list[int]]:
+    """Values summed over pipeline ranks at the end of the step, with the ranks that
+    end with the sum: the loss, and the gradients of parameters held by several ranks."""
     grad_param = {o.name: i.name for o in dag.outputs if o.role is OutputRole.GRAD
                   for i in dag.inputs if i.arg_index == o.index}
-    shared = {loss: list(range(strategy.pp))} if strategy.pp > 1 else {}
+    summed = {flow.loss: list(range(strategy.pp))} if strategy.pp > 1 else {}
     for grad, param in grad_param.items():
         holders = dag.parameter_holders.get(param, ())
-        if len(holders) > 1 and grad in producer:
-            shared[grad] = list(holders)
-    shared_order = sorted(shared)
+        if len(holders) > 1 and grad in flow.producer:
+            summed[grad] = list(holders)
+    return summed
 
-    for pp_rank in range(strategy.pp):
-        received: set[tuple[str, int | None]] = set()
 
-        def receives(task: Task, microbatch: int | None) -> list[Instruction]:
-            out = []
-            for name in task.inputs:
-                source = producer.get(name)
-                m = None if name in per_step else microbatch
-                if source is None or (name, m) in received:
-                    continue
-                peer = source_rank(source, m, pp_rank)
-                if peer != pp_rank:
-                    out.append(recv(name, m, peer, tag(name, m)))
-                    received.add((name, m))
-            return out
+def _sum_over_ranks(summed: dict[str, list[int]], flow: _ValueFlow, transfers: _Transfers,
+                    pp_rank: int) -> list[Instruction]:
+    """The rank's sends of its parts of the summed values, then its receives of the
+    others' parts, added to its own."""
+    order = sorted(summed)
+    instructions: list[Instruction] = []
+    for i, name in enumerate(order):
+        if pp_rank in transfers.ranks_running(flow.producer[name].stage):
+            instructions += [transfers.send(name, None, p, transfers.final_tag + i)
+                             for p in summed[name] if p != pp_rank]
+    for i, name in enumerate(order):
+        if pp_rank in summed[name]:
+            instructions += [transfers.recv(name, None, p, transfers.final_tag + i, accumulate=True)
+                             for p in transfers.ranks_running(flow.producer[name].stage) if p != pp_rank]
+    return instructions
 
-        def sends(task: Task, microbatch: int | None) -> list[Instruction]:
-            out: list[Instruction] = []
-            for name in task.outputs:
-                if name in accumulated:
-                    continue  # complete only after the last microbatch; read by this rank's epilogue
-                m = None if name in per_step else microbatch
-                peers = set()
-                for reader in consumers.get(name, []):
-                    for reader_rank in ([schedule.stage_rank(reader.stage, m)] if m is not None
-                                        else ranks_running(reader.stage)):
-                        if reader_rank != pp_rank and source_rank(task, m, reader_rank) == pp_rank:
-                            peers.add(reader_rank)
-                out.extend(Send(name, m, global_rank(p), tag(name, m), nbytes(name)) for p in sorted(peers))
-            return out
 
-        def run_and_send(planned: list[tuple[Task, int | None]]) -> list[Instruction]:
-            """One task's run, or an overlapped pair's fused run, then the sends of what they made."""
-            runs = [Run(task.name, m) for task, m in planned]
-            run = runs[0] if len(runs) == 1 else Run("&".join(r.task for r in runs), None, tuple(runs))
-            return [run] + [send for task, m in planned for send in sends(task, m)]
-
-        # Each schedule step (an action or an overlapped pair, with the stage's
-        # prologue before its first action and its epilogue after its last) as
-        # (receives, runs and sends). A pair's two tasks run as one fused task,
-        # after both prologues and before both epilogues.
-        steps: list[tuple[list[Instruction], list[Instruction]]] = []
-        row = schedule.actions[pp_rank]
-        first = {}
-        last = {}
-        for index, action in enumerate(row):
-            first.setdefault(action.stage, index)
-            last[action.stage] = index
-        index = 0
-        for group in schedule.steps(pp_rank):
-            before, actions, after = [], [], []
-            for action in group:
-                stage = schedule.model_stage(action.stage)
-                if first[action.stage] == index and (stage, TaskKind.P) in tasks:
-                    before.append((tasks[(stage, TaskKind.P)], None))
-                if (stage, TaskKind(action.kind)) in tasks:
-                    actions.append((tasks[(stage, TaskKind(action.kind))], action.microbatch))
-                if last[action.stage] == index and (stage, TaskKind.E) in tasks:
-                    after.append((tasks[(stage, TaskKind.E)], None))
-                index += 1
-            recvs = [r for task, m in before + actions + after for r in receives(task, m)]
-            runs = [i for item in before for i in run_and_send([item])]
-            if actions:
-                runs += run_and_send(actions)
-            runs += [i for item in after for i in run_and_send([item])]
-            steps.append((recvs, runs))
-        instructions: list[Instruction] = list(steps[0][0]) if steps else []
-        for k, (_, runs) in enumerate(steps):
-            if k + 1 < len(steps):
-                instructions += steps[k + 1][0]  # post the next step's receives before running this one
-            instructions += runs
-
-        for i, name in enumerate(shared_order):
-            producers = ranks_running(producer[name].stage)
-            if pp_rank in producers:
-                instructions += [Send(name, None, global_rank(p), final_tag + i, nbytes(name))
-                                 for p in shared[name] if p != pp_rank]
-        for i, name in enumerate(shared_order):
-            if pp_rank in shared[name]:
-                instructions += [recv(name, None, p, final_tag + i, accumulate=True)
-                                 for p in ranks_running(producer[name].stage) if p != pp_rank]
-
-        rank = global_rank(pp_rank)
-        run_tasks = {run.task for i in instructions if isinstance(i, Run) for run in i.runs}
-        held = {t.name: t for t in dag.tasks if t.name in run_tasks}
-        for pair in (i for i in instructions if isinstance(i, Run) and i.parts):
-            if pair.task not in fused:
-                fused[pair.task] = fuse_tasks(pair.task, [held[run.task] for run in pair.parts], interleave=False)
-            held[pair.task] = fused[pair.task]
-        dag.programs[rank] = RankProgram(
-            rank=rank,
-            tasks=held,
-            instructions=instructions,
-            inputs=[i.name for i in dag.inputs],
-            per_step=per_step,
-            accumulated=accumulated,
-            outputs=[o.name for o in dag.outputs],
-            num_microbatches=strategy.microbatches,
-        )
-    _receive_in_send_order(dag.programs)
-    return dag
+def _program_tasks(dag: TrainingDAG, instructions: list[Instruction], fused: dict[str, Task]) -> dict[str, Task]:
+    """The tasks the instructions run, with a fused task (its halves one after the
+    other) for each overlapped pair, made once and shared through `fused`."""
+    run_tasks = {run.task for i in instructions if isinstance(i, Run) for run in i.runs}
+    held = {t.name: t for t in dag.tasks if t.name in run_tasks}
+    for pair in (i for i in instructions if isinstance(i, Run) and i.parts):
+        if pair.task not in fused:
+            fused[pair.task] = fuse_tasks(pair.task, [held[run.task] for run in pair.parts])
+        held[pair.task] = fused[pair.task]
+    return held
 
 
 def _receive_in_send_order(programs: dict[int, RankProgram]) -> None:

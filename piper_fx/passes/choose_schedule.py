@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from ..ir import TrainingDAG
 from ..options import Strategy
-from ..schedules import Schedule, build
+from ..schedules import ActionKind, Schedule, build
 
 
 def _forward_only(schedule: Schedule) -> Schedule:
-    actions = [[a for a in row if a.kind == "F"] for row in schedule.actions]
+    actions = [[a for a in row if a.kind is ActionKind.F] for row in schedule.actions]
     return Schedule(schedule.name + " (forward only)", schedule.num_ranks, schedule.num_microbatches,
                     schedule.stage_to_rank, actions)
 

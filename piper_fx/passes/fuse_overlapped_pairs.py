@@ -21,16 +21,15 @@ microbatches.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
-from ..ir import Run, Task, TrainingDAG, add_placeholder
+from ..ir import Run, Task, TrainingDAG
 from ..ops import WAIT, collective_kind, is_heavy
 from ..options import Strategy
+from .task_graphs import FusedOrder, fuse_tasks
 
 
-
-def _interleaved(halves: list[list[fx.Node]]) -> list[tuple[int, fx.Node]]:
+def _interleaved(halves: list[list[fx.Node]]) -> FusedOrder:
     """(half, node) in run order. The half that reaches its first collective
     with the fewest matmuls starts, so communication begins early; a half then
     runs until its next op is the wait of a collective behind which no matmul
@@ -39,7 +38,7 @@ def _interleaved(halves: list[list[fx.Node]]) -> list[tuple[int, fx.Node]]:
     cursors = [0] * len(halves)
     issued: dict[fx.Node, tuple[int, int]] = {}  # collective -> (matmuls run before it, issue order)
     heavy_run = 0
-    order: list[tuple[int, fx.Node]] = []
+    order: FusedOrder = []
 
     def pending_wait(half: int) -> fx.Node | None:
         node = halves[half][cursors[half]]
@@ -80,40 +79,6 @@ def _interleaved(halves: list[list[fx.Node]]) -> list[tuple[int, fx.Node]]:
         current = half
 
 
-def _attribute(module: torch.nn.Module, target: str):
-    for atom in target.split("."):
-        module = getattr(module, atom)
-    return module
-
-
-def fuse_tasks(name: str, parts: list[Task], interleave: bool) -> Task:
-    """One task computing every task of `parts` (whose values may share names)."""
-    graph = fx.Graph()
-    envs: list[dict[fx.Node, fx.Node]] = [{} for _ in parts]
-    for env, task in zip(envs, parts):
-        for node in task.graph.graph.nodes:
-            if node.op == "placeholder":
-                env[node] = add_placeholder(graph, node.name, node.meta)  # both halves may read a `tanh`
-    halves = [[n for n in task.graph.graph.nodes if n.op not in ("placeholder", "output")] for task in parts]
-    if interleave:
-        order = _interleaved(halves)
-    else:
-        order = [(half, node) for half, nodes in enumerate(halves) for node in nodes]
-    for half, node in order:
-        envs[half][node] = graph.node_copy(node, envs[half].__getitem__)
-    outputs = []
-    for env, task in zip(envs, parts):
-        outputs += [env[n] for n in task.graph.graph.find_nodes(op="output")[0].args[0]]
-    graph.output(tuple(outputs))
-    graph.lint()
-    # Constants the halves read (all from the one joint graph, so a name means one value).
-    attributes = {node.target: _attribute(task.graph, node.target) for task in parts
-                  for node in task.graph.graph.find_nodes(op="get_attr")}
-    first = parts[0]
-    return Task(name, first.kind, first.stage, fx.GraphModule(attributes, graph),
-                inputs=[n for task in parts for n in task.inputs], outputs=[n for task in parts for n in task.outputs])
-
-
 def fuse_overlapped_pairs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     if not strategy.overlap:
         return dag
@@ -124,6 +89,6 @@ def fuse_overlapped_pairs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
                 continue
             if instruction.task not in fused:
                 parts = [program.tasks[run.task] for run in instruction.parts]
-                fused[instruction.task] = fuse_tasks(instruction.task, parts, interleave=True)
+                fused[instruction.task] = fuse_tasks(instruction.task, parts, order=_interleaved)
             program.tasks[instruction.task] = fused[instruction.task]
     return dag

@@ -16,7 +16,10 @@ import torch.fx as fx
 
 from ..ir import OutputRole, Task, TaskKind, TrainingDAG
 from ..options import Strategy
-from .split_stages import extract_graph
+from ..schedules import ActionKind
+from .task_graphs import extract_graph
+
+_SPLIT_KINDS = {ActionKind.I, ActionKind.W}  # a backward run as two actions
 
 
 def _split(task: Task, weight_outputs: set[str]) -> list[Task]:
@@ -52,11 +55,11 @@ def _split(task: Task, weight_outputs: set[str]) -> list[Task]:
 
 def split_backward(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     schedule = dag.schedule
-    kinds_of_stage: dict[int, set[str]] = {}
+    kinds_of_stage: dict[int, set[ActionKind]] = {}
     for row in schedule.actions:
         for action in row:
             kinds_of_stage.setdefault(schedule.model_stage(action.stage), set()).add(action.kind)
-    if not dag.training or not any(kinds & {"I", "W"} for kinds in kinds_of_stage.values()):
+    if not dag.training or not any(kinds & _SPLIT_KINDS for kinds in kinds_of_stage.values()):
         return dag
     read_by = {}
     for task in dag.tasks:
@@ -66,10 +69,10 @@ def split_backward(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     tasks = []
     for task in dag.tasks:
         kinds = kinds_of_stage.get(task.stage, set())
-        if task.kind is not TaskKind.B or not kinds & {"I", "W"}:
+        if task.kind is not TaskKind.B or not kinds & _SPLIT_KINDS:
             tasks.append(task)
             continue
-        if "B" in kinds:  # schedules such as DualPipe split only some microbatches' backwards
+        if ActionKind.B in kinds:  # schedules such as DualPipe split only some microbatches' backwards
             tasks.append(task)
         # Parameter gradients and what only the epilogue reads (their reductions' inputs) are W's.
         weight_outputs = {name for name in task.outputs if name in parameter_grads or (

@@ -31,10 +31,10 @@ import torch
 import torch.fx as fx
 
 from ..errors import PiperConfigError
-from ..ir import InputRole, Task, TaskKind, TrainingDAG, add_placeholder, forward_nodes
+from ..ir import InputRole, Task, TaskKind, TrainingDAG, forward_nodes
 from ..ops import MATMULS, PHASE, STEP_END, STEP_START, is_attention
 from ..options import Strategy
-
+from .task_graphs import extract_graph
 
 
 def _tensors(val) -> list[torch.Tensor]:
@@ -138,20 +138,6 @@ def _parameter_holders(dag: TrainingDAG, stage: dict[fx.Node, int]) -> dict[str,
         if ranks:
             holders[node.name] = tuple(sorted(ranks))
     return holders
-
-
-def extract_graph(root: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node],
-                  outputs: list[fx.Node]) -> fx.GraphModule:
-    """A new graph over `nodes` (in order) taking `inputs` as placeholders and returning `outputs`."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in inputs:
-        env[node] = add_placeholder(graph, node.name, node.meta)
-    for node in nodes:
-        env[node] = graph.node_copy(node, env.__getitem__)
-    graph.output(tuple(env[o] for o in outputs))
-    graph.lint()
-    return fx.GraphModule(root, graph)
 
 
 def split_stages(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from html import escape
 
-from .schedule import Schedule, run_order
+from .schedule import ActionKind, Schedule, run_order, step_kind, step_str
 
-_COLORS = {"F": "#6fa8dc", "B": "#93c47d", "I": "#b6d7a8", "W": "#ffd966", "pair": "#c27ba0"}
+_COLORS = {ActionKind.F: "#6fa8dc", ActionKind.B: "#93c47d", ActionKind.I: "#b6d7a8", ActionKind.W: "#ffd966",
+           ActionKind.OVERLAP_F_B: "#c27ba0"}
 
 
 def _cells(schedule: Schedule) -> dict[tuple[int, int], list]:
@@ -23,7 +24,7 @@ def text_grid(schedule: Schedule) -> str:
     steps = 1 + max(step for step, _ in by_step)
     cells = [["." for _ in range(steps)] for _ in range(schedule.num_ranks)]
     for (step, rank), actions in by_step.items():
-        cells[rank][step] = "&".join(map(str, actions))
+        cells[rank][step] = step_str(actions)
     width = max(len(c) for row in cells for c in row)
     lines = [f"# {schedule.name}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
              f"{schedule.num_microbatches} microbatches (unit time per action)"]
@@ -46,8 +47,8 @@ def svg(schedule: Schedule, cell: int = 34, row: int = 26) -> str:
         parts.append(f'<text x="4" y="{top + rank * row + 16}">rank {rank}</text>')
     for (step, rank), actions in by_step.items():
         x, y = left + step * cell, top + rank * row
-        label = "&".join(map(str, actions))
-        fill = _COLORS[actions[0].kind] if len(actions) == 1 else _COLORS["pair"]
+        label = step_str(actions)
+        fill = _COLORS[step_kind(actions)]
         parts.append(f'<rect x="{x}" y="{y}" width="{cell - 2}" height="{row - 4}" '
                      f'fill="{fill}"><title>{label}</title></rect>')
         parts.append(f'<text x="{x + 3}" y="{y + 15}">{escape(label)}</text>')

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schedule import Action, Schedule, ScheduleError, dependencies, events
+from .schedule import Action, ActionKind, Schedule, ScheduleError, dependencies, events, step_kind
 
 
 @dataclass(frozen=True)
@@ -21,10 +21,12 @@ class Costs:
     p2p: float = 0.0
     FB: float | None = None  # an overlapped F&B pair; by default F + B (no gain from overlap)
 
-    def of(self, group: list[Action]) -> float:
-        if len(group) == 2:
+    def of(self, step: list[Action]) -> float:
+        """The cost of what a rank starts at once: one action, or an overlapped pair."""
+        kind = step_kind(step)
+        if kind is ActionKind.OVERLAP_F_B:
             return self.F + self.B if self.FB is None else self.FB
-        return getattr(self, group[0].kind)
+        return getattr(self, kind.value)
 
 
 @dataclass
@@ -80,9 +82,9 @@ def _peak_live(timeline: list[tuple[float, float, Action]]) -> int:
     """Microbatch-stages held: from a forward until its weight gradient (or whole backward) is done."""
     live = peak = 0
     for _, _, action in timeline:
-        if action.kind == "F":
+        if action.kind is ActionKind.F:
             live += 1
             peak = max(peak, live)
-        elif action.kind in ("B", "W"):
+        elif action.kind in (ActionKind.B, ActionKind.W):
             live -= 1
     return peak

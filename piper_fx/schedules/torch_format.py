@@ -21,16 +21,22 @@ import io
 import re
 from typing import Iterable, Sequence
 
-from .schedule import KINDS, Action, Schedule, ScheduleError, validate
+from .schedule import COMPUTE_KINDS, Action, ActionKind, Schedule, ScheduleError, validate
 
-_COMPUTE = re.compile(r"^(\d+)([FBIW])(\d+)$")
+_COMPUTE = re.compile(rf"^(\d+)({'|'.join(COMPUTE_KINDS)})(\d+)$")
 # torch's actions that move data or shard parameters: piper_fx derives its own.
 _NOT_COMPUTE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)(\d*)$")
-_PAIR = re.compile(r"^\((.*)\)OVERLAP_F_B$")
+_PAIR = re.compile(rf"^\((.*)\){ActionKind.OVERLAP_F_B}$")
 
 
 def _cell(action: Action) -> str:
+    """torch's `str` of the action: `<stage><kind><microbatch>`."""
     return f"{action.stage}{action.kind}{action.microbatch}"
+
+
+def _pair_cell(step: list[Action]) -> str:
+    """torch's `str` of an overlapped pair: `(<action>;<action>)OVERLAP_F_B`."""
+    return f"({';'.join(map(_cell, step))}){ActionKind.OVERLAP_F_B}"
 
 
 def to_torch_rows(schedule: Schedule) -> list[list[str]]:
@@ -38,8 +44,8 @@ def to_torch_rows(schedule: Schedule) -> list[list[str]]:
     if schedule.copies != 1:
         raise ValueError(f"{schedule.name} runs {schedule.copies} copies of the stages, which "
                          "torch.distributed.pipelining's schedule format cannot express")
-    return [[_cell(group[0]) if len(group) == 1 else f"({';'.join(map(_cell, group))})OVERLAP_F_B"
-             for group in schedule.steps(rank)] for rank in range(schedule.num_ranks)]
+    return [[_cell(step[0]) if len(step) == 1 else _pair_cell(step) for step in schedule.steps(rank)]
+            for rank in range(schedule.num_ranks)]
 
 
 def to_torch_csv(schedule: Schedule) -> str:
@@ -53,34 +59,44 @@ def _compute_action(text: str, rank: int) -> Action:
     match = _COMPUTE.match(text)
     if match is None:
         raise ScheduleError(f"rank {rank}: {text!r} is not a compute action of torch's format "
-                            f"(<stage><{'|'.join(KINDS)}><microbatch>, e.g. 0F1)")
+                            f"(<stage><{'|'.join(COMPUTE_KINDS)}><microbatch>, e.g. 0F1)")
     stage, kind, microbatch = match.groups()
-    return Action(int(stage), kind, int(microbatch))
+    return Action(int(stage), ActionKind(kind), int(microbatch))
 
 
 def from_torch_rows(rows: Sequence[Iterable[object]], name: str = "torch") -> Schedule:
     """A validated `Schedule` from torch's per-rank action lists: strings, or torch's
     `_Action` objects (read through their `str`), with None or "" for idle steps."""
-    actions: list[list[Action]] = []
-    pairs: list[set[int]] = []
-    for rank, row in enumerate(rows):
-        mine: list[Action] = []
-        paired: set[int] = set()
-        for cell in row:
-            text = "" if cell is None else str(cell).strip()
-            if not text or _NOT_COMPUTE.match(text):
-                continue
-            pair = _PAIR.match(text)
-            if pair is not None:
-                parts = [_compute_action(part.strip(), rank) for part in pair.group(1).split(";")]
-                if len(parts) != 2:
-                    raise ScheduleError(f"rank {rank}: {text!r} overlaps {len(parts)} actions; a pair is two")
-                paired.add(len(mine))
-                mine.extend(parts)
-            else:
-                mine.append(_compute_action(text, rank))
-        actions.append(mine)
-        pairs.append(paired)
+    read = [_read_row(row, rank) for rank, row in enumerate(rows)]
+    actions = [mine for mine, _ in read]
+    stage_to_rank = _placement(actions)
+    microbatches = 1 + max((a.microbatch for row in actions for a in row), default=-1)
+    return validate(Schedule(name, len(actions), microbatches, stage_to_rank, actions,
+                             pairs=[paired for _, paired in read]))
+
+
+def _read_row(row: Iterable[object], rank: int) -> tuple[list[Action], set[int]]:
+    """A rank's compute actions and the positions of its overlapped pairs."""
+    mine: list[Action] = []
+    paired: set[int] = set()
+    for cell in row:
+        text = "" if cell is None else str(cell).strip()
+        if not text or _NOT_COMPUTE.match(text):
+            continue
+        pair = _PAIR.match(text)
+        if pair is not None:
+            parts = [_compute_action(part.strip(), rank) for part in pair.group(1).split(";")]
+            if len(parts) != 2:
+                raise ScheduleError(f"rank {rank}: {text!r} overlaps {len(parts)} actions; a pair is two")
+            paired.add(len(mine))
+            mine.extend(parts)
+        else:
+            mine.append(_compute_action(text, rank))
+    return mine, paired
+
+
+def _placement(actions: list[list[Action]]) -> tuple[int, ...]:
+    """The rank of each stage, from the rank whose row runs it."""
     stage_to_rank: dict[int, int] = {}
     for rank, row in enumerate(actions):
         for action in row:
@@ -90,9 +106,7 @@ def from_torch_rows(rows: Sequence[Iterable[object]], name: str = "torch") -> Sc
     stages = sorted(stage_to_rank)
     if stages != list(range(len(stages))):
         raise ScheduleError(f"the stages are {stages}: they must be 0..{len(stages) - 1}")
-    microbatches = 1 + max((a.microbatch for row in actions for a in row), default=-1)
-    return validate(Schedule(name, len(actions), microbatches, tuple(stage_to_rank[s] for s in stages),
-                             actions, pairs=pairs))
+    return tuple(stage_to_rank[s] for s in stages)
 
 
 def from_torch_csv(text: str, name: str = "torch") -> Schedule:
