@@ -6,13 +6,19 @@ the meaning of each of its inputs and outputs, and the tasks the graph is cut
 into. A `Task` is a compute chunk (F or B of a stage and microbatch) with its
 own FX graph; a `RankProgram` is the ordered list of tasks one rank runs. The
 runtime runs a `RankProgram` and knows nothing of the strategy that made it.
+
+A DAG is at one of three levels (`Level`, ARCHITECTURE.md): the joint graph
+with placements (`JointLevel`), the staged tasks with their schedule
+(`StagedLevel`), the rank programs (`ProgramLevel`). Each level's class states
+its invariants and checks them (`verify()`); a pass rewrites within a level or
+lowers a DAG to the next (`passes.PIPELINE` says which).
 """
 from __future__ import annotations
 
 import enum
 import operator
 from dataclasses import dataclass, field, replace
-from typing import Any, Union
+from typing import Any, Callable, ClassVar, Hashable, Union
 
 import torch
 
@@ -20,6 +26,7 @@ import torch.fx as fx
 
 from .ops import COMM_NOTE, collective_kind, wait_of
 from .options import Strategy
+from .schedules.schedule import PAIR_SEPARATOR, ActionKind
 from .sharding.row_shard import ShardedParameter
 
 
@@ -29,6 +36,7 @@ class InputRole(enum.Enum):
     BUFFER = "buffer"
     INPUT = "input"              # user argument: this replica's batch
     TANGENT = "tangent"          # seed gradient of the loss
+    RNG = "rng"                  # per-microbatch key and counter of the random ops (passes.functionalize_random)
 
 
 class OutputRole(enum.Enum):
@@ -55,14 +63,19 @@ class GraphOutput:
 
 
 class TaskKind(enum.Enum):
+    """What a task computes. F, B, I and W run the schedule's actions of that kind (`TaskKind.of`)."""
+
     P = "P"  # prologue of a stage: once per step, before its first forward (e.g. ZeRO-1/2 gathers)
-    F = "F"  # forward of a stage, per microbatch
-    B = "B"  # backward of a stage (input and weight gradients), per microbatch
-    I = "I"  # noqa: E741 - backward split for zero-bubble schedules: input gradient, per microbatch
-    W = "W"  # ... and weight gradient, which nothing downstream waits for, per microbatch
+    F = ActionKind.F.value  # forward of a stage, per microbatch
+    B = ActionKind.B.value  # backward of a stage (input and weight gradients), per microbatch
+    I = ActionKind.I.value  # noqa: E741 - backward split for zero-bubble schedules: input gradient
+    W = ActionKind.W.value  # ... and weight gradient, which nothing downstream waits for
     E = "E"  # epilogue of a stage: once per step, after its last backward (e.g. DDP all-reduce)
 
-
+    @classmethod
+    def of(cls, action: ActionKind) -> "TaskKind":
+        """The kind of the task that runs a schedule action of kind `action` (not a pair's)."""
+        return cls(action.value)
 
 
 @dataclass
@@ -101,7 +114,7 @@ class Run:
     def label(self) -> str:
         """`F0.3` (the task and microbatch, as the schedule names the action), or `F0.3&B3.1` for a pair."""
         if self.parts:
-            return "&".join(part.label for part in self.parts)
+            return PAIR_SEPARATOR.join(part.label for part in self.parts)
         return self.task + ("" if self.microbatch is None else f".{self.microbatch}")
 
     def __str__(self) -> str:
@@ -181,6 +194,39 @@ class RankProgram:
     def key(self, name: str, microbatch: int | None) -> tuple[str, int | None]:
         return (name, None) if name in self.per_step else (name, microbatch)
 
+    def reads(self, instruction: Instruction) -> list[tuple[str, int | None]]:
+        """The values `instruction` reads, by key: a run's task inputs, a send's value,
+        and the value a receive with `accumulate` adds into."""
+        if isinstance(instruction, Run):
+            return [self.key(name, run.microbatch) for run in instruction.runs for name in self.tasks[run.task].inputs]
+        if isinstance(instruction, Send) or (isinstance(instruction, Recv) and instruction.accumulate):
+            return [self.key(instruction.value, instruction.microbatch)]
+        return []
+
+    def writes(self, instruction: Instruction) -> list[tuple[str, int | None]]:
+        """The values `instruction` makes, by key: a run's task outputs (an `accumulated`
+        one is added to the value held), a receive's value."""
+        if isinstance(instruction, Run):
+            return [self.key(name, run.microbatch) for run in instruction.runs for name in self.tasks[run.task].outputs]
+        if isinstance(instruction, Recv):
+            return [self.key(instruction.value, instruction.microbatch)]
+        return []
+
+    def frees_after(self) -> list[list[tuple[str, int | None]]]:
+        """Per instruction, the values freed once it has run: each value after the last
+        instruction that reads it, except the program's outputs (what the runtime's
+        `ProgramExecutor` drops)."""
+        kept = {(name, None) for name in self.outputs}
+        last_read: dict[tuple[str, int | None], int] = {}
+        for index, instruction in enumerate(self.instructions):
+            for key in self.reads(instruction):
+                last_read[key] = index
+        freed: list[list[tuple[str, int | None]]] = [[] for _ in self.instructions]
+        for key, index in last_read.items():
+            if key not in kept:
+                freed[index].append(key)
+        return freed
+
     def communication_bytes(self) -> dict[str, int]:
         """Bytes this rank contributes per step, per collective kind and to point-to-point sends."""
         per_task: dict[str, dict[str, int]] = {}
@@ -222,6 +268,17 @@ class RankProgram:
         lines.append(f"accumulated: {', '.join(sorted(self.accumulated))}")
         lines.append(f"outputs: {', '.join(self.outputs)}")
         return "\n".join(lines) + "\n"
+
+
+class Level(enum.IntEnum):
+    """The level a program is at, in the order the passes lower it (ARCHITECTURE.md)."""
+
+    JOINT = 1     # the joint forward/backward graph with placements: `JointLevel`
+    STAGED = 2    # stage tasks and the schedule that orders them: `StagedLevel`
+    PROGRAMS = 3  # one instruction list per rank: `ProgramLevel`
+
+    def __str__(self) -> str:
+        return {Level.JOINT: "joint", Level.STAGED: "staged", Level.PROGRAMS: "program"}[self] + " level"
 
 
 @dataclass
@@ -268,6 +325,19 @@ class TrainingDAG:
         for spec, node in zip(self.outputs, nodes):
             spec.name = node.name
 
+    @property
+    def level(self) -> Level:
+        """The level the DAG is at, by what it holds: rank programs, else stage tasks, else the joint graph."""
+        if self.programs:
+            return Level.PROGRAMS
+        return Level.STAGED if self.tasks else Level.JOINT
+
+    def view(self) -> "JointLevel | StagedLevel | ProgramLevel":
+        """The DAG as the level it is at; `dag.view().verify()` checks that level's invariants."""
+        if self.level is Level.PROGRAMS:
+            return ProgramLevel(self.programs, self.strategy.dp)
+        return StagedLevel(self) if self.level is Level.STAGED else JointLevel(self)
+
 
 def add_placeholder(graph: fx.Graph, name: str, meta: dict | None = None) -> fx.Node:
     """A placeholder named after `name`, made unique in `graph` (FX appends `_1`, ...).
@@ -305,3 +375,110 @@ def forward_nodes(dag: TrainingDAG) -> set[fx.Node]:
         if node.target is operator.getitem and node.args[0] in seen:
             seen.add(node)
     return seen
+
+
+def _verifier():
+    from . import verify  # imported when used: verify.py builds on this module
+    return verify
+
+
+class _Checked:
+    """A level: `problems()` lists each broken invariant, naming the node, task or
+    instruction at fault; `verify()` raises them."""
+
+    level: ClassVar[Level]
+
+    def problems(self) -> list[str]:
+        raise NotImplementedError
+
+    def verify(self, after_pass: str | None = None) -> None:
+        """Raise `verify.InvalidGraphError` listing every broken invariant, naming
+        `after_pass`, the pass that made this level, if given."""
+        _verifier().raise_if_invalid(self.problems(), self.level, after_pass)
+
+
+@dataclass
+class JointLevel(_Checked):
+    """Level 1: the joint forward/backward ATen graph of one step, with placements.
+
+    Made by `capture.capture`; the joint passes rewrite it (experts, ZeRO
+    gathers, gradient reductions as functional collectives; placements).
+    Invariants:
+      - the graph is well formed: node and argument names unique, every node
+        reads only nodes defined before it, its generated code compiles;
+      - `dag.inputs` describe its placeholders, one each, and `dag.outputs`
+        what it returns, in order;
+      - every placeholder, and every op whose value is read, carries its `val`
+        (shape, dtype, device), by which later levels cut tasks and size messages;
+      - once placements are propagated, every placeholder and op has one
+        (`node.meta["piper_spec"]`).
+    """
+
+    dag: TrainingDAG
+    level: ClassVar[Level] = Level.JOINT
+
+    def problems(self) -> list[str]:
+        return _verifier().joint_problems(self.dag)
+
+
+@dataclass
+class StagedLevel(_Checked):
+    """Level 2: the stage tasks (`dag.tasks`) and the schedule that orders them.
+
+    Made by `split_stages` from the joint graph; rewritten task by task
+    (backward split, bucketing, overlap).
+    Invariants:
+      - every task graph is well formed and takes and returns the values its
+        `inputs` and `outputs` name; task names are unique;
+      - `dag.schedule` is set and valid, and every action it lists has its task
+        (kind and model stage; an I or W action, a backward task of its stage:
+        B until `split_backward`, and a split part may be empty);
+      - every value a task reads is a step input or made by a task; a value is
+        made by one task, or by a stage's whole backward B and its split I / W;
+        and values flow as the schedule runs: a forward task (P, F) reads only
+        forward values of its own or earlier stages, a backward (B, I) no
+        backward value of its own or an earlier stage, a W none of an earlier
+        stage, and no task reads an epilogue's (E) value;
+      - every output of the step is made by a task or is a step input.
+    """
+
+    dag: TrainingDAG
+    level: ClassVar[Level] = Level.STAGED
+
+    def problems(self) -> list[str]:
+        return _verifier().staged_problems(self.dag)
+
+
+@dataclass
+class ProgramLevel(_Checked):
+    """Level 3: rank programs, instruction lists of `Run`, `Send` and `Recv`; the
+    collectives are in the tasks the runs call.
+
+    Made by `build_rank_programs`; `fuse_overlapped_pairs` rewrites them. One
+    rank's plan holds the programs of its pipeline (the ranks of its
+    data-parallel index); `programs` may hold every rank's.
+    Invariants:
+      - every task a program runs is one it holds, and well formed;
+      - every value is defined before it is read: a step input, or made by an
+        earlier run or receive;
+      - no instruction reads a value after it is freed (`RankProgram.frees_after`):
+        nor adds to it, which would silently restart a sum;
+      - between two ranks, every send is matched by one receive on the peer, of
+        the same value, in the same order (NCCL matches by order);
+      - the ranks of a process group issue the same collectives (kind, shape,
+        dtype) in the same order. A group is named by its name and the rank's
+        pipeline index, `rank // dp` (every group lies within one: data
+        parallel, expert, expert replica), since programs planned in one
+        process carry the planning rank's group names; `group_of(rank, name)`
+        says otherwise. One rank's plan holds one rank per pipeline index, so
+        this needs every rank's programs (`tests/test_verify.py`).
+    """
+
+    programs: dict[int, RankProgram]
+    dp: int = 1
+    group_of: Callable[[int, str], Hashable] | None = None
+    level: ClassVar[Level] = Level.PROGRAMS
+
+    def problems(self) -> list[str]:
+        dp = self.dp
+        return _verifier().program_problems(self.programs, self.group_of or (lambda rank, name: (rank // dp, name)))

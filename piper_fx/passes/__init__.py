@@ -1,19 +1,25 @@
 """The strategy pass pipeline, in the order it runs.
 
 Each pass is a function `(TrainingDAG, Strategy) -> TrainingDAG` in a file of
-its own, whose docstring states what it requires and guarantees. The debug
-dumps show the DAG after every one of them.
+its own, whose docstring states what it requires and guarantees. `PIPELINE`
+lists them with the level of the program each takes and leaves (`ir.Level`:
+the joint graph, the staged tasks, the rank programs): a pass rewrites within
+a level or lowers the program to the next one (ARCHITECTURE.md). `run_passes`
+holds every pass to its levels and, in debug and test runs, verifies what it
+left (`verify.verify_dag`). The debug dumps show the DAG after every pass.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..ir import TrainingDAG
+from ..ir import Level, TrainingDAG
 from ..options import Strategy
-from ..verify import verification_enabled, verify_dag
+from ..verify import InvalidGraphError, verification_enabled, verify_dag
 from .bucket_collectives import bucket_collectives
 from .build_rank_programs import build_rank_programs
 from .choose_schedule import choose_schedule
+from .functionalize_random import functionalize_random
 from .fuse_overlapped_pairs import fuse_overlapped_pairs
 from .propagate_placements import propagate_placements
 from .reduce_gradients import reduce_gradients
@@ -23,36 +29,69 @@ from .split_backward import split_backward
 from .split_stages import split_stages
 from .unshard_parameters import unshard_parameters
 
-Pass = Callable[[TrainingDAG, Strategy], TrainingDAG]
+PassFunction = Callable[[TrainingDAG, Strategy], TrainingDAG]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A pass and the levels of the program it takes and leaves."""
+
+    run: PassFunction
+    takes: Level
+    makes: Level
+
+    @property
+    def name(self) -> str:
+        return self.run.__name__
+
+
+JOINT, STAGED, PROGRAMS = Level.JOINT, Level.STAGED, Level.PROGRAMS
 
 PIPELINE: tuple[Pass, ...] = (
-    shard_experts,           # EP: local expert blocks; all-to-all dispatch / combine at EP region boundaries
-    unshard_parameters,      # ZeRO: parameter all-gathers (per step, or per use and again in backward)
-    reduce_gradients,        # DP/ZeRO: gradient all-reduce / reduce-scatter, averaged over dp
-    propagate_placements,    # DTensor-style spec on every node (descriptive)
-    choose_schedule,         # the validated pipeline schedule: stage placement and action order
-    split_stages,            # joint graph -> per stage: F and B tasks, P/E for once-per-step ops
-    split_backward,          # zero-bubble schedules: B -> I (input grads) and W (weight grads)
-    bucket_collectives,      # per task: adjacent collectives -> buckets of at most bucket_mb
-    reorder_for_overlap,     # per task: waits sunk to first use, ZeRO-3 gathers prefetched
-    build_rank_programs,     # schedule + tasks -> each rank's program (with send/recv)
-    fuse_overlapped_pairs,   # DualPipe's fused F&B pairs: halves interleaved at their collective waits
+    #    the pass               takes     leaves
+    Pass(functionalize_random,  JOINT,    JOINT),     # random ops (dropout) -> Philox of (global element, op, step)
+    Pass(shard_experts,         JOINT,    JOINT),     # EP: local expert blocks; all-to-alls at EP region boundaries
+    Pass(unshard_parameters,    JOINT,    JOINT),     # ZeRO: parameter all-gathers, once per step or at each use
+    Pass(reduce_gradients,      JOINT,    JOINT),     # DP/ZeRO: gradient all-reduce / reduce-scatter, averaged over dp
+    Pass(propagate_placements,  JOINT,    JOINT),     # DTensor-style spec on every node (descriptive)
+    Pass(choose_schedule,       JOINT,    JOINT),     # the validated schedule: stage placement and action order
+    Pass(split_stages,          JOINT,    STAGED),    # per stage: F and B tasks, P/E for once-per-step ops
+    Pass(split_backward,        STAGED,   STAGED),    # zero-bubble schedules: B -> I (input grads) and W (weight grads)
+    Pass(bucket_collectives,    STAGED,   STAGED),    # per task: adjacent collectives -> buckets of at most bucket_mb
+    Pass(reorder_for_overlap,   STAGED,   STAGED),    # per task: waits sunk to first use, ZeRO-3 gathers prefetched
+    Pass(build_rank_programs,   STAGED,   PROGRAMS),  # schedule + tasks -> each rank's program (with send/recv)
+    Pass(fuse_overlapped_pairs, PROGRAMS, PROGRAMS),  # DualPipe's F&B pairs: halves interleaved at collective waits
 )
 
 
+def position(function: PassFunction, pipeline: Sequence[Pass] = PIPELINE) -> int:
+    """Where `function` runs in `pipeline`."""
+    return [p.run for p in pipeline].index(function)
+
+
 def run_passes(dag: TrainingDAG, strategy: Strategy, after_pass: Callable[[int, str, TrainingDAG], None],
-               pipeline: Sequence[Pass] = PIPELINE) -> TrainingDAG:
-    """Run `pipeline` in order; after each pass, verify the DAG (in debug and test
-    runs: `verify.verification_enabled`) and hand it to `after_pass` (the dumps)."""
+               pipeline: Sequence[Pass | PassFunction] = PIPELINE) -> TrainingDAG:
+    """Run `pipeline` in order (a bare function is a pass within the level it is given).
+    Each pass must take and leave the levels it declares, or this raises
+    `InvalidGraphError`; after each, in debug and test runs
+    (`verify.verification_enabled`), the DAG is verified at the level it is at; then
+    it is handed to `after_pass` (the dumps)."""
     verify = verification_enabled(strategy)
-    for index, strategy_pass in enumerate(pipeline):
+    for index, entry in enumerate(pipeline):
+        strategy_pass = entry if isinstance(entry, Pass) else Pass(entry, dag.level, dag.level)
+        if dag.level is not strategy_pass.takes:
+            raise InvalidGraphError(f"piper_fx pass {strategy_pass.name!r} takes a program at the "
+                                    f"{strategy_pass.takes}, but is given one at the {dag.level}")
         try:
-            dag = strategy_pass(dag, strategy)
+            dag = strategy_pass.run(dag, strategy)
         except Exception as e:
-            e.add_note(f"in piper_fx pass {strategy_pass.__name__!r}")  # the type is kept: a PiperError stays one
+            e.add_note(f"in piper_fx pass {strategy_pass.name!r}")  # the type is kept: a PiperError stays one
             raise
+        if dag.level is not strategy_pass.makes:
+            raise InvalidGraphError(f"piper_fx pass {strategy_pass.name!r} should leave a program at the "
+                                    f"{strategy_pass.makes}, but left one at the {dag.level}")
         dag.refresh_output_names()
         if verify:
-            verify_dag(dag, strategy_pass.__name__)
-        after_pass(index, strategy_pass.__name__, dag)
+            verify_dag(dag, strategy_pass.name)
+        after_pass(index, strategy_pass.name, dag)
     return dag
