@@ -11,7 +11,7 @@ from .errors import PeerFailedError, PiperConfigError, PiperError
 from .options import Strategy, parse_options
 from .prepare import prepare
 from .sharding.experts import mark_experts
-from .runtime.executor import last_step_stats, last_step_trace
+from .runtime.step import last_step_stats, last_step_trace
 from .state_dict import full_state_dict
 from . import schedules
 

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import torch
 import torch.fx as fx
+from torch import nn
 
 from .capture import capture
 from .codegen import compile_program
 from .debug import DebugDump
+from .errors import PiperError
 from .ir import InputRole, TrainingDAG
 from .options import Strategy, parse_options_on_all_ranks
 from .passes import run_passes
+from .passes.functionalize_random import step_randomness
 from .prepare import check_prepared
 from .runtime.executor import ProgramExecutor
 from .runtime.step import CompiledStep
@@ -57,9 +61,30 @@ def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: Deb
     return run_passes(dag, strategy, after_pass)
 
 
+def check_one_device(example_inputs: list) -> torch.device | None:
+    """The device of the model's parameters, where this rank computes: raise a
+    `PiperError` naming both devices if the parameters span several, or if a
+    batch input (or buffer) is on another."""
+    params = [(i, t) for i, t in enumerate(example_inputs) if isinstance(t, nn.Parameter)]
+    if not params:
+        return None
+    first, device = params[0][0], params[0][1].device
+    for index, t in params[1:]:
+        if t.device != device:
+            raise PiperError(f"the model's parameters are on devices {device} (compiled argument {first}) and "
+                             f"{t.device} (compiled argument {index}): piper_fx runs a rank's model on one "
+                             f"device; move the model there (model.to('{device}'))")
+    for index, t in enumerate(example_inputs):
+        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.device != device:
+            raise PiperError(f"compiled argument {index} is on device {t.device}, but the model's parameters "
+                             f"are on {device}: move it to the model's device (.to('{device}'))")
+    return device
+
+
 def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
     strategy = parse_options_on_all_ranks(options)
     check_prepared(strategy, example_inputs)
+    check_one_device(example_inputs)
 
     dump = DebugDump(strategy.debug_dir, strategy.rank)
     dag = plan(gm, example_inputs, strategy, dump)
@@ -89,6 +114,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
         num_user_outputs,
         {i.arg_index: tuple(example_inputs[i.arg_index].shape) for i in dag.inputs if i.role is InputRole.INPUT},
         dump,
+        randomness=step_randomness(dag, strategy),
     )
 
 

@@ -10,24 +10,35 @@ Layout under `debug_dir` (option, or env PIPER_DEBUG_DIR):
   rank{r}/graph{g}/codegen/<task>.py       the code each task runs (Inductor output or FX)
   rank{r}/graph{g}/trace.json              a step as a Chrome / Perfetto trace (the second
                                            step run, or the first if only one ran)
-`g` counts the graphs this process compiled (a recompile is a new graph).
+`g` is the id Dynamo gives the compiled frame, as in TORCH_LOGS and tlparse
+(`graph0` for frame 0; a recompile of it is `graph0_1`), so it says which
+graph it is whatever else the process compiled. A graph planned outside
+torch.compile goes to `graph`.
 """
 from __future__ import annotations
 
-import itertools
 import os
 from pathlib import Path
 
-_graph_ids = itertools.count()
+from .compat import CompileContext
+
+
+def graph_dir_name() -> str:
+    """The dump folder of the graph Dynamo is compiling now (`graph` outside a compile)."""
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None or compile_id.frame_id is None:
+        return "graph"
+    frame, recompile = compile_id.frame_id, compile_id.frame_compile_id
+    return f"graph{frame}" if not recompile else f"graph{frame}_{recompile}"
 
 
 class DebugDump:
     """Writes dump files for one compiled graph on one rank; does nothing without a directory."""
 
-    def __init__(self, debug_dir: str | None, rank: int):
+    def __init__(self, debug_dir: str | None, rank: int, graph: str | None = None):
         self.root: Path | None = None
         if debug_dir is not None:
-            self.root = Path(debug_dir) / f"rank{rank}" / f"graph{next(_graph_ids)}"
+            self.root = Path(debug_dir) / f"rank{rank}" / (graph or graph_dir_name())
             self.root.mkdir(parents=True, exist_ok=True)
 
     @property

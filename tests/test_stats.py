@@ -56,3 +56,43 @@ def test_profile_times_collective_waits_inside_inductor_tasks():
         # Counted from the planned graphs, whatever Inductor made of the collectives (e.g. in place).
         assert run["stats"][-1]["comm_bytes"]["all_gather"] >= 2 * run["shard_bytes"], run["stats"][-1]
         assert run["stats"][-1]["comm_bytes"]["reduce_scatter"] >= run["param_bytes"], run["stats"][-1]
+
+
+def test_two_models_compiled_in_one_process_keep_their_own_stats():
+    """Each compiled step owns its last run; `last_step_stats()` is the step that ran last."""
+    import torch
+
+    import piper_fx
+    from examples.gpt import GPT, GPTConfig
+    from training import SMALL, global_batch
+
+    steps = {}
+
+    def compiled(name, model, options):
+        piper_fx.prepare(model, options)  # microbatches: the batch dimension is traced dynamic
+
+        def backend(gm, example_inputs):
+            steps[name] = piper_fx.piper_backend(gm, example_inputs, options)
+            return steps[name]
+        return torch.compile(model, backend=backend)
+
+    torch.manual_seed(0)
+    small, deep = GPT(GPTConfig(**SMALL)), GPT(GPTConfig(**{**SMALL, "n_layer": 3, "n_embd": 32}))
+    run_small = compiled("small", small, {"codegen": "eager"})
+    run_deep = compiled("deep", deep, {"codegen": "eager", "pipeline": {"microbatches": 2}})
+    x, y = global_batch(0, 4, small.cfg)
+    run_small(x, y).backward()
+    small_stats = piper_fx.last_step_stats()
+    assert steps["small"].last_run.stats == small_stats
+    run_deep(x, y).backward()
+    deep_stats = piper_fx.last_step_stats()
+    assert deep_stats == steps["deep"].last_run.stats
+    assert piper_fx.last_step_trace() == steps["deep"].last_run.trace()
+    # The deep model's run replaced neither the small step's stats nor its trace.
+    assert steps["small"].last_run.stats == small_stats
+    assert {e["name"] for e in steps["small"].last_run.trace()["traceEvents"] if e.get("cat") == "compute"} == \
+        {"F0.0", "B0.0"}
+    assert small_stats["instructions"] == 2 and deep_stats["instructions"] == 4, (small_stats, deep_stats)
+    assert deep_stats["peak_activation_bytes"] > 0 and small_stats["peak_activation_bytes"] > 0
+    run_small(x, y).backward()
+    assert piper_fx.last_step_stats() == steps["small"].last_run.stats != small_stats  # a new run, new times

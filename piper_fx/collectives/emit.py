@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -19,31 +20,31 @@ from torch.fx.experimental.proxy_tensor import make_fx
 INHERITED_META = ("custom", "nn_module_stack", "seq_nr", "partitioner_tag", "stack_trace")
 
 
-# Traced lowerings of the current graph's fake mode (one capture at a time).
-# A graph is captured with one decomposition table (Inductor's) or none.
-_TRACED: dict[tuple, fx.GraphModule] = {}
-_TRACED_MODE: list = [None]
+# Lowerings traced for each graph they are spliced into, kept as long as that
+# graph: each compilation's own (its values are of its fake mode, on its
+# device), never another's. A cached trace holds no reference to the graph.
+_TRACED: weakref.WeakKeyDictionary[fx.Graph, dict[tuple, fx.GraphModule]] = weakref.WeakKeyDictionary()
 
 
-def _trace(fn: Callable[..., torch.Tensor], fake_inputs: list, decompositions: dict | None) -> fx.GraphModule:
-    """`fn` traced on inputs like `fake_inputs`; cached, since a model has many
-    parameters of few shapes and each collective lowering is the same code."""
+def _trace(graph: fx.Graph, fn: Callable[..., torch.Tensor], fake_inputs: list,
+           decompositions: dict | None) -> fx.GraphModule:
+    """`fn` traced on inputs like `fake_inputs`; cached per graph, since a model
+    has many parameters of few shapes and each collective lowering is the same code."""
     # Trace inside the graph's own fake mode, so tensors the function creates
     # (padding) are fake values of the same mode as their neighbours.
     fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
-    if _TRACED_MODE[0] is not fake_mode:
-        _TRACED.clear()
-        _TRACED_MODE[0] = fake_mode
+    traced_for_graph = _TRACED.setdefault(graph, {})
     key = None
     if isinstance(fn, functools.partial):
         key = (fn.func, tuple(sorted((k, repr(v)) for k, v in fn.keywords.items())), fn.args,
-               tuple((tuple(v.shape), v.dtype, tuple(v.stride())) for v in fake_inputs), decompositions is not None)
-        if key in _TRACED:
-            return _TRACED[key]
+               tuple((tuple(v.shape), v.dtype, tuple(v.stride()), v.device) for v in fake_inputs),
+               id(fake_mode), decompositions is not None)  # a graph is captured with one table (Inductor's) or none
+        if key in traced_for_graph:
+            return traced_for_graph[key]
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         traced = make_fx(fn, decomposition_table=decompositions)(*fake_inputs)
     if key is not None:
-        _TRACED[key] = traced
+        traced_for_graph[key] = traced
     return traced
 
 
@@ -73,7 +74,7 @@ def insert_traced(
     are as lowered as their neighbours.
     """
     fake_inputs = [n.meta["val"] for n in inputs]
-    traced = _trace(fn, fake_inputs, decompositions)
+    traced = _trace(graph, fn, fake_inputs, decompositions)
     env: dict[fx.Node, fx.Node] = {}
     remaining = iter(inputs)
     result = None

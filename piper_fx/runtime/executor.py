@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from ..ir import Instruction, RankProgram, Recv, Run, Send
 from . import failures
+from .memory import storage_key
 from .timing import COMM_WAIT, COMPUTE, StepTimeline, recording
 
 # Context managers entered around every task run, e.g. a dispatch mode that
@@ -34,14 +36,6 @@ def around_tasks(*contexts) -> Iterator[None]:
         _TASK_CONTEXTS.reset(token)
 
 
-def _reads(program: RankProgram, instruction) -> list[Key]:
-    if isinstance(instruction, Run):
-        return [program.key(n, run.microbatch) for run in instruction.runs for n in program.tasks[run.task].inputs]
-    if isinstance(instruction, Send) or (isinstance(instruction, Recv) and instruction.accumulate):
-        return [program.key(instruction.value, instruction.microbatch)]
-    return []
-
-
 class _ActivationBytes:
     """Bytes of the per-microbatch values the program made or is receiving, kept
     up to date as values come and go (a scan of every value after every
@@ -51,17 +45,16 @@ class _ActivationBytes:
 
     def __init__(self, input_storages: set[int]):
         self.input_storages = input_storages
-        self.live: dict[int, list[int]] = {}  # storage address -> [bytes, values on it]
+        self.live: dict[int, list[int]] = {}  # storage (`storage_key`) -> [bytes, values on it]
         self.current = 0
 
     def add(self, key: Key, value) -> None:
         if key[1] is None or not isinstance(value, torch.Tensor):
             return
-        storage = value.untyped_storage()
-        address = storage.data_ptr()
-        if address in self.input_storages:
+        storage = storage_key(value)
+        if storage in self.input_storages:
             return
-        entry = self.live.setdefault(address, [storage.nbytes(), 0])
+        entry = self.live.setdefault(storage, [value.untyped_storage().nbytes(), 0])
         if entry[1] == 0:
             self.current += entry[0]
         entry[1] += 1
@@ -69,13 +62,14 @@ class _ActivationBytes:
     def remove(self, key: Key, value) -> None:
         if key[1] is None or not isinstance(value, torch.Tensor):
             return
-        entry = self.live.get(value.untyped_storage().data_ptr())
+        storage = storage_key(value)
+        entry = self.live.get(storage)
         if entry is None:
             return
         entry[1] -= 1
         if entry[1] == 0:
             self.current -= entry[0]
-            del self.live[value.untyped_storage().data_ptr()]
+            del self.live[storage]
 
 
 class _Values(dict):
@@ -140,34 +134,17 @@ class _Position:
         return "before its first instruction"
 
 
-_last_stats: dict = {}
-_last_timeline: list[StepTimeline | None] = [None]
+@dataclass(frozen=True)
+class StepRun:
+    """What one run of a program measured: its stats (`piper_fx.last_step_stats`
+    lists the keys) and its timeline."""
 
+    stats: dict
+    timeline: StepTimeline
 
-def last_step_stats() -> dict:
-    """Stats of the last step (program run) on this rank:
-
-    - `step_s`: wall time of the program; `compute_s`: time in tasks, less the
-      collective waits inside them; `comm_wait_s`: time blocked on
-      communication (receives, collectives' waits, sends at the end), i.e. the
-      exposed communication, and `exposed_comm_fraction` = comm_wait_s / step_s;
-      `comm_wait_s_by_kind` splits comm_wait_s by what was waited for
-      (`all_to_all`, `all_gather`, ..., `recv`, `send`).
-      Waits inside tasks are timed only with the option `profile`; without
-      it they count as compute;
-    - `comm_bytes`: bytes this rank contributes per collective kind
-      (`all_gather`, `reduce_scatter`, `all_reduce`, `all_to_all`) and sent
-      point to point (`send`);
-    - `peak_activation_bytes`: the most bytes of per-microbatch values the
-      program made (activations saved for backward, received tensors) held at once;
-    - `instructions`: the program's length.
-    """
-    return dict(_last_stats)
-
-
-def last_step_trace() -> dict:
-    """The last step on this rank as a Chrome / Perfetto trace (a JSON-able dict)."""
-    return _last_timeline[0].chrome_trace() if _last_timeline[0] is not None else {"traceEvents": []}
+    def trace(self) -> dict:
+        """The run as a Chrome / Perfetto trace (a JSON-able dict)."""
+        return self.timeline.chrome_trace()
 
 
 class ProgramExecutor:
@@ -177,18 +154,12 @@ class ProgramExecutor:
         self.program = program
         self.compiled = compiled
         self.comm_bytes = program.communication_bytes()  # fixed by the program: counted once
-        kept = {(name, None) for name in program.outputs}
-        last_read: dict[Key, int] = {}
-        for index, instruction in enumerate(program.instructions):
-            for key in _reads(program, instruction):
-                last_read[key] = index
-        self.drop_after: list[list[Key]] = [[] for _ in program.instructions]
-        for key, index in last_read.items():
-            if key not in kept:
-                self.drop_after[index].append(key)
+        # Each value dropped after its last reader: the schedule the program-level verifier checks.
+        self.drop_after: list[list[Key]] = program.frees_after()
 
-    def run(self, values: dict[Key, torch.Tensor], call: int) -> dict[str, torch.Tensor]:
+    def run(self, values: dict[Key, torch.Tensor], call: int) -> tuple[dict[str, torch.Tensor], StepRun]:
         """Run every instruction; `values` holds the program inputs and is consumed.
+        Returns the program's outputs and what the run measured.
 
         `call` numbers this step call alike on every rank (`failures.next_call`).
         If the program fails, this raises what `failures.raise_failure` makes of
@@ -204,11 +175,9 @@ class ProgramExecutor:
                 results, peak = self._run(values, timeline, position)
         except Exception as error:
             failures.raise_failure(error, self.program.rank, call, position.describe())
-        _last_timeline[0] = timeline
-        _last_stats.clear()
-        _last_stats.update(timeline.stats(), comm_bytes=dict(self.comm_bytes),
-                           peak_activation_bytes=peak, instructions=len(self.program.instructions))
-        return results
+        stats = {**timeline.stats(), "comm_bytes": dict(self.comm_bytes), "peak_activation_bytes": peak,
+                 "instructions": len(self.program.instructions)}
+        return results, StepRun(stats, timeline)
 
     def _run(self, values: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position):
         program = self.program
@@ -224,7 +193,7 @@ class ProgramExecutor:
                 held = values.get(key) if posted.instruction.accumulate else None
                 values[key] = buffer if held is None else held + buffer
 
-        input_storages = {v.untyped_storage().data_ptr() for v in values.values() if isinstance(v, torch.Tensor)}
+        input_storages = {storage_key(v) for v in values.values() if isinstance(v, torch.Tensor)}
         activations = _ActivationBytes(input_storages)
         tracked = _Values(values, activations)
         values.clear()  # consumed: the runtime holds the only references, so values die at their last use
@@ -233,7 +202,7 @@ class ProgramExecutor:
         for index, instruction in enumerate(program.instructions):
             position.instruction = instruction
             if not isinstance(instruction, Recv):
-                for key in _reads(program, instruction):
+                for key in program.reads(instruction):
                     arrive(key)
             if isinstance(instruction, Run):
                 with timeline.span(instruction.label, COMPUTE):

@@ -24,7 +24,10 @@ inside a step would also be a surprise to any code that handles the error.
 
 One record is kept, the first failure of the latest failed call; it carries
 the number of the step call it comes from (every rank calls the compiled steps
-in the same order, so the numbers agree across ranks). A failure of a rank
+in the same order, so the numbers agree across ranks). Calls are numbered per
+process group, over every compiled step that talks over it: steps of two models
+interleave in one protocol, and a rank may be blocked in one model's step on a
+peer that failed in the other's. A failure of a rank
 that had started its program is blamed within `world_size` calls of it: a peer
 may be a few calls ahead of a rank it stopped depending on (at most one call
 per hop between them). A failure before the program started (bad input) is
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import weakref
 from dataclasses import asdict, dataclass
 from typing import NoReturn
 
@@ -45,12 +49,17 @@ from ..errors import PeerFailedError
 _KEY = "piper_fx/first_failure"
 _MAX_ERROR_CHARS = 2000
 
-_calls = itertools.count()
+# Step calls made over each process group: the group's, dropped with it (a new
+# group, e.g. after `destroy_process_group`, numbers its calls from 0).
+_calls: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count] = weakref.WeakKeyDictionary()
 
 
 def next_call() -> int:
-    """Number this call of a compiled step (one per call, over every step of the process)."""
-    return next(_calls)
+    """Number this call of a compiled step: one per call, over every step run over
+    the default process group (0 without one: there is no peer to tell)."""
+    if not dist.is_initialized():
+        return 0
+    return next(_calls.setdefault(dist.group.WORLD, itertools.count()))
 
 
 @dataclass(frozen=True)

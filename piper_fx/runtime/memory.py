@@ -16,11 +16,17 @@ import torch
 from ..compat import TorchDispatchMode, tree_leaves
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """The identity of `tensor`'s storage, shared by its views. Not the storage's
+    address: on a device without memory (`meta`) every storage has address 0."""
+    return tensor.untyped_storage()._cdata
+
+
 class LiveStorageBytes(TorchDispatchMode):
     def __init__(self, watch: Callable[[object], bool]):
         super().__init__()
         self.watch = watch
-        self._live: dict[int, list[int]] = {}  # storage address -> [bytes, live tensors]
+        self._live: dict[int, list[int]] = {}  # storage (`storage_key`) -> [bytes, live tensors]
         self.current = 0
         self.peak = 0
 
@@ -33,7 +39,7 @@ class LiveStorageBytes(TorchDispatchMode):
 
     def _observe(self, func, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        key = storage_key(tensor)
         if key not in self._live:
             if not self.watch(func) or storage.nbytes() == 0:
                 return

@@ -25,10 +25,44 @@ import torch
 from ..debug import DebugDump
 from ..errors import PiperError
 from ..ir import GraphInput, GraphOutput, InputRole, OutputRole, RankProgram
+from ..philox import StepRandomness
 from . import failures
-from .executor import ProgramExecutor, last_step_trace
+from .executor import ProgramExecutor, StepRun
 
 TRACED_STEPS = 2  # the first steps' traces go to the dumps; the second (warm) one stays
+
+# The run of whichever compiled step ran last in this process: what
+# `last_step_stats()` describes. Each step keeps its own (`CompiledStep.last_run`);
+# this only points at the latest, so the functions need no step object.
+_latest_run: StepRun | None = None
+
+
+def last_step_stats() -> dict:
+    """Stats of the last step (program run) on this rank, whichever compiled step ran it:
+
+    - `step_s`: wall time of the program; `compute_s`: time in tasks, less the
+      collective waits inside them; `comm_wait_s`: time blocked on
+      communication (receives, collectives' waits, sends at the end), i.e. the
+      exposed communication, and `exposed_comm_fraction` = comm_wait_s / step_s;
+      `comm_wait_s_by_kind` splits comm_wait_s by what was waited for
+      (`all_to_all`, `all_gather`, ..., `recv`, `send`).
+      Waits inside tasks are timed only with the option `profile`; without
+      it they count as compute;
+    - `comm_bytes`: bytes this rank contributes per collective kind
+      (`all_gather`, `reduce_scatter`, `all_reduce`, `all_to_all`) and sent
+      point to point (`send`);
+    - `peak_activation_bytes`: the most bytes of per-microbatch values the
+      program made (activations saved for backward, received tensors) held at once;
+    - `instructions`: the program's length.
+
+    Empty before any step ran. A step's own last run is `CompiledStep.last_run`.
+    """
+    return dict(_latest_run.stats) if _latest_run is not None else {}
+
+
+def last_step_trace() -> dict:
+    """The last step on this rank as a Chrome / Perfetto trace (a JSON-able dict)."""
+    return _latest_run.trace() if _latest_run is not None else {"traceEvents": []}
 
 
 def _compiled_tensors(program: RankProgram) -> dict[str, tuple[torch.dtype, torch.device]]:
@@ -49,10 +83,13 @@ class CompiledStep:
     def __init__(self, executor: ProgramExecutor, inputs: Sequence[GraphInput], outputs: Sequence[GraphOutput],
                  seed_shape: torch.Size | None, seed_dtype: torch.dtype | None, seed_device: torch.device | None,
                  num_user_outputs: int,
-                 batch_shapes: dict[int, tuple[int, ...]], dump: DebugDump | None = None):
+                 batch_shapes: dict[int, tuple[int, ...]], dump: DebugDump | None = None,
+                 randomness: StepRandomness | None = None):
         self.executor = executor
+        self.randomness = randomness  # feeds the graph's random ops (`InputRole.RNG`), if it has any
         self.dump = dump
         self.steps_run = 0
+        self.last_run: StepRun | None = None  # this step's latest run: its stats and timeline
         # The program is compiled for these argument shapes; with a pipeline
         # Dynamo sees the batch size as symbolic and would not recompile for another.
         self.batch_shapes = batch_shapes
@@ -94,6 +131,7 @@ class CompiledStep:
 
     def run_program(self, args: Sequence[torch.Tensor]):
         """Run the program on the call's arguments: (user outputs, {arg index: grad})."""
+        global _latest_run
         call = failures.next_call()
         try:
             self._check_arguments(args)
@@ -109,12 +147,16 @@ class CompiledStep:
             elif graph_input.role is InputRole.INPUT:
                 chunks = self._microbatches(args[graph_input.arg_index])
                 values.update({(graph_input.name, m): chunk for m, chunk in enumerate(chunks)})
+            elif graph_input.role is InputRole.RNG:
+                rng = self.randomness.microbatch_inputs(self.steps_run, self.microbatches)
+                values.update({(graph_input.name, m): words for m, words in enumerate(rng)})
             else:
                 values[(graph_input.name, None)] = args[graph_input.arg_index]
-        results = self.executor.run(values, call)
+        results, self.last_run = self.executor.run(values, call)
+        _latest_run = self.last_run
         self.steps_run += 1
         if self.dump is not None and self.dump.enabled and self.steps_run <= TRACED_STEPS:
-            self.dump.write("trace.json", json.dumps(last_step_trace()))
+            self.dump.write("trace.json", json.dumps(self.last_run.trace()))
         user_outputs: list[torch.Tensor | None] = [None] * self.num_user_outputs
         grads: dict[int, torch.Tensor] = {}
         for out in self.outputs:

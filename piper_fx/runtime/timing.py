@@ -20,6 +20,7 @@ kernels never reach it, but each extern call pays a Python call).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -28,6 +29,7 @@ import torch
 
 from ..compat import TorchDispatchMode
 from ..ops import WAIT, collective_op_kind
+from .memory import storage_key
 
 COMPUTE, COMM, COMM_WAIT = "compute", "comm", "comm wait"
 _LANES = {COMPUTE: 0, COMM: 1, COMM_WAIT: 2}
@@ -49,6 +51,8 @@ class StepTimeline:
     start_ns: int = field(default_factory=time.time_ns)
     end_ns: int = 0
     spans: list[Span] = field(default_factory=list)
+    # Collectives in flight: the storage of each one's result -> (kind, issue time).
+    in_flight: dict[int, tuple[str, int]] = field(default_factory=dict)
     _task_depth: int = 0
 
     @contextlib.contextmanager
@@ -85,28 +89,26 @@ class StepTimeline:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-_current: list[StepTimeline | None] = [None]
+# The timeline of the step running in this context, if any: the timed collectives record on it.
+_recording: contextvars.ContextVar[StepTimeline | None] = contextvars.ContextVar("piper_recording", default=None)
 
 
 @contextlib.contextmanager
 def recording(timeline: StepTimeline) -> Iterator[StepTimeline]:
-    previous, _current[0] = _current[0], timeline
+    token = _recording.set(timeline)
     try:
         yield timeline
     finally:
         timeline.end_ns = time.time_ns()
-        _current[0] = previous
-
-
-# Collectives in flight: the storage of each one's result -> (kind, issue time).
-_in_flight: dict[int, tuple[str, int]] = {}
+        _recording.reset(token)
 
 
 def _issue(kind: str, op, args: tuple, kwargs: dict) -> torch.Tensor:
     """Run the collective `op`, noting when it was issued."""
     result = op(*args, **kwargs)
-    if _current[0] is not None:
-        _in_flight[result.untyped_storage().data_ptr()] = (kind, time.time_ns())
+    timeline = _recording.get()
+    if timeline is not None:
+        timeline.in_flight[storage_key(result)] = (kind, time.time_ns())
     return result
 
 
@@ -123,10 +125,10 @@ def timed_collective(op):
 def timed_wait(tensor: torch.Tensor) -> torch.Tensor:
     """`wait_tensor`, timed on the current step's timeline (eager task graphs call this);
     the collective it ends goes on the comm lane, from its issue to now."""
-    timeline = _current[0]
+    timeline = _recording.get()
     if timeline is None:
         return WAIT(tensor)
-    kind, issued = _in_flight.pop(tensor.untyped_storage().data_ptr(), (None, None))
+    kind, issued = timeline.in_flight.pop(storage_key(tensor), (None, None))
     with timeline.span(f"wait {kind or 'collective'}", COMM_WAIT, kind):
         result = WAIT(tensor)
     if issued is not None:

@@ -1,22 +1,53 @@
 """The device mesh of a strategy and the process groups of its dimensions.
 
-Rank layout (DESIGN.md): rank r has pipeline index r // dp and data-parallel
+Rank layout: rank r has pipeline index r // dp and data-parallel
 index r % dp, i.e. a row-major ("pp", "dp") mesh, which is what
-`init_device_mesh` builds.
+`init_device_mesh` builds. The mesh is built for the device type the process
+group communicates on (`process_group_device_type`): "cuda" under NCCL, "cpu"
+under gloo.
 """
 from __future__ import annotations
 
-import functools
+import weakref
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..options import Strategy
 
 
-@functools.lru_cache(maxsize=None)
+# Backends that serve one device type. Others serve several (the fake group,
+# "cpu:gloo,cuda:nccl"): their ranks compute on the accelerator if there is one.
+_BACKEND_DEVICE_TYPES = {"gloo": "cpu", "nccl": "cuda", "xccl": "xpu", "hccl": "hpu"}
+
+
+def process_group_device_type() -> str:
+    """The device type the default process group communicates on ("cpu" without one)."""
+    if not dist.is_initialized():
+        return "cpu"
+    backend = dist.get_backend()
+    if backend in _BACKEND_DEVICE_TYPES:
+        return _BACKEND_DEVICE_TYPES[backend]
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator.type if accelerator is not None else "cpu"
+
+
+# The meshes built over each default process group, by (shape, dimension names):
+# the group's own, dropped with it, so a process group made anew (after
+# `destroy_process_group`) gets meshes, and sub-groups, of its own.
+_MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, DeviceMesh]] = weakref.WeakKeyDictionary()
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    meshes = _MESHES.setdefault(dist.group.WORLD, {})
+    if (shape, names) not in meshes:
+        meshes[(shape, names)] = init_device_mesh(process_group_device_type(), shape, mesh_dim_names=names)
+    return meshes[(shape, names)]
+
+
 def _device_mesh(pp: int, dp: int) -> DeviceMesh:
-    return init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    return _mesh((pp, dp), ("pp", "dp"))
 
 
 def dp_group_name(strategy: Strategy) -> str | None:
@@ -41,11 +72,10 @@ def pp_group_name(strategy: Strategy) -> str | None:
     return _device_mesh(strategy.pp, strategy.dp).get_group("pp").group_name
 
 
-@functools.lru_cache(maxsize=None)
 def _expert_mesh(pp: int, dp: int, ep: int) -> DeviceMesh:
     # Data-parallel index d = replica * ep + ep_index: the ep ranks sharing out
     # the experts are consecutive, as in torchtitan (ep borrows the inner dp ranks).
-    return init_device_mesh("cpu", (pp, dp // ep, ep), mesh_dim_names=("pp", "expert_dp", "ep"))
+    return _mesh((pp, dp // ep, ep), ("pp", "expert_dp", "ep"))
 
 
 def ep_group_name(strategy: Strategy) -> str | None:

@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..compat import DTensorSpec, OpSchema, TensorMeta
 from ..ops import REDUCE_GRAD, UNSHARD, WAIT
+from .mesh import process_group_device_type
 
 SPEC_KEY = "piper_spec"
 UNKNOWN = "?"
@@ -33,9 +34,11 @@ _FIXED: dict[Any, Placement] = {
 }
 
 
-def planning_mesh(dp: int) -> DeviceMesh:
-    """A ("dp",) mesh for propagation only: no process group is touched."""
-    return DeviceMesh("cpu", list(range(dp)), mesh_dim_names=("dp",), _init_backend=False, _rank=0)
+def planning_mesh(dp: int, device_type: str | None = None) -> DeviceMesh:
+    """A ("dp",) mesh for propagation only: no process group is touched. By default
+    for the device type the process group communicates on, as the real mesh."""
+    return DeviceMesh(device_type or process_group_device_type(), list(range(dp)), mesh_dim_names=("dp",),
+                      _init_backend=False, _rank=0)
 
 
 def format_spec(spec: Any) -> str:
