@@ -1,4 +1,6 @@
-"""Small models with pipeline shapes the GPT does not have."""
+"""Small models with pipeline shapes (or ops) the example GPT does not have."""
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -88,3 +90,38 @@ ONE_F_ONE_B_DIRECTIVES = [
     {"order": {"rank": 0, "actions": ["F0.0", "F0.1", "I0.0", "W0.0", "I0.1", "W0.1"]}},
     {"order": {"rank": 1, "actions": ["F1.0", "I1.0", "F1.1", "I1.1", "W1.0", "W1.1"]}},
 ]
+
+
+class DropoutGPT(nn.Module):
+    """The example GPT (`examples.gpt`, untied embeddings) with dropout where GPT-2 has it: on
+    the embeddings and on each block's attention and MLP outputs (`dropout` = p, 0 for none).
+    With `regions`, each block is a PP region."""
+
+    def __init__(self, dropout: float = 0.0, n_layer: int = 2, regions: bool = False, **cfg):
+        super().__init__()
+        from examples.gpt import GPT, GPTConfig
+
+        config = dict(vocab_size=37, block_size=9, n_head=2, n_embd=16, tied_embeddings=False)
+        self.gpt = GPT(GPTConfig(**{**config, **cfg, "n_layer": n_layer}))
+        self.drop, self.regions = nn.Dropout(dropout), regions
+
+    def forward(self, idx, targets):
+        gpt, drop = self.gpt, self.drop
+        x = drop(gpt.wte(idx) + gpt.wpe(torch.arange(idx.shape[1], device=idx.device)))
+        for block in gpt.blocks:
+            with piper_fx.annotate("PP") if self.regions else contextlib.nullcontext():
+                x = x + drop(block.attn(block.ln_1(x)))
+                x = x + drop(block.mlp(block.ln_2(x))[0])
+        logits = gpt.lm_head(gpt.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class DropoutMLP(nn.Module):
+    """A two-layer MLP with dropout on its hidden layer (`dropout` = p), on `batch`'s data."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.fc, self.out, self.drop = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, 1), nn.Dropout(dropout)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.out(self.drop(F.gelu(self.fc(x)))), y)
