@@ -101,6 +101,65 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
     return gm, args, kept
 
 
+def _describe_inputs(joint: fx.GraphModule, traced_inputs: list, arg_indices: list[int],
+                     dynamo_placeholders: list[fx.Node]) -> list[GraphInput]:
+    """The role of every joint-graph placeholder (parameter, shard, buffer, batch input, tangent)."""
+    inputs: list[GraphInput] = []
+    for node in joint.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        desc = node.meta.get("desc")
+        if isinstance(desc, aot_desc.TangentAOTInput):
+            inputs.append(GraphInput(node.name, InputRole.TANGENT, None))
+        elif isinstance(desc, aot_desc.PlainAOTInput):
+            example = traced_inputs[desc.idx]
+            fqn, is_buffer = _fqn_from_source(dynamo_placeholders[desc.idx])
+            role = _input_role(example, is_buffer)
+            sharded = sharded_parameter_info(example)
+            if sharded is not None:
+                fqn = sharded.fqns[0]
+            inputs.append(GraphInput(node.name, role, arg_indices[desc.idx], fqn, sharded))
+        else:
+            raise PiperError(f"unsupported joint-graph input {node.name}: {desc}")
+    return inputs
+
+
+def _describe_outputs(output_node: fx.Node, arg_indices: list[int],
+                      training: bool) -> tuple[list[GraphOutput], list[fx.Node]]:
+    """The role of every value the joint graph returns (loss, output, gradient, mutation), and the values."""
+    outputs: list[GraphOutput] = []
+    kept: list[fx.Node] = []
+    for value, desc in zip(output_node.args[0], output_node.meta["desc"]):
+        if value is None:
+            continue
+        if isinstance(desc, aot_desc.PlainAOTOutput):
+            role = OutputRole.LOSS if training and desc.idx == 0 else OutputRole.OUTPUT
+            outputs.append(GraphOutput(value.name, role, desc.idx))
+        elif isinstance(desc, aot_desc.GradAOTOutput) and isinstance(desc.grad_of, aot_desc.PlainAOTInput):
+            outputs.append(GraphOutput(value.name, OutputRole.GRAD, arg_indices[desc.grad_of.idx]))
+        elif isinstance(desc, aot_desc.InputMutationAOTOutput) and isinstance(
+                desc.mutated_input, aot_desc.PlainAOTInput):
+            outputs.append(GraphOutput(value.name, OutputRole.MUTATION, arg_indices[desc.mutated_input.idx]))
+        else:
+            raise PiperError(f"unsupported joint-graph output {getattr(value, 'name', value)}: {desc}")
+        kept.append(value)
+    return outputs, kept
+
+
+def _check_one_scalar_loss(joint: fx.GraphModule, inputs: list[GraphInput], outputs: list[GraphOutput]) -> None:
+    """A training graph has one differentiable output, first: the scalar loss."""
+    tangents = [i for i in inputs if i.role is InputRole.TANGENT]
+    loss = next((o for o in outputs if o.role is OutputRole.LOSS), None)
+    loss_val = next((n.meta["val"] for n in joint.graph.nodes if loss and n.name == loss.name), None)
+    if loss_val is None or len(tangents) != 1 or loss_val.numel() != 1:
+        shape = tuple(loss_val.shape) if loss_val is not None else None
+        raise PiperError(
+            f"the compiled graph returns {len(tangents)} differentiable outputs, the first of shape "
+            f"{shape}; piper_fx runs whole training steps and needs the model to return its scalar "
+            "loss first and nothing else that requires grad. A graph break also splits the model "
+            "into graphs that do not end in the loss: compile with fullgraph=True to find it")
+
+
 def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_group: str | None) -> TrainingDAG:
     """Trace `gm` into a joint graph and describe its inputs and outputs.
 
@@ -119,54 +178,11 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
             stack, gm, tuple(traced_inputs), decompositions=decompositions_for(strategy))
         joint = exported.graph_module
 
-    inputs: list[GraphInput] = []
-    for node in joint.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        desc = node.meta.get("desc")
-        if isinstance(desc, aot_desc.TangentAOTInput):
-            inputs.append(GraphInput(node.name, InputRole.TANGENT, None))
-        elif isinstance(desc, aot_desc.PlainAOTInput):
-            example = traced_inputs[desc.idx]
-            fqn, is_buffer = _fqn_from_source(dynamo_placeholders[desc.idx])
-            role = _input_role(example, is_buffer)
-            sharded = sharded_parameter_info(example)
-            if sharded is not None:
-                fqn = sharded.fqns[0]
-            inputs.append(GraphInput(node.name, role, arg_indices[desc.idx], fqn, sharded))
-        else:
-            raise PiperError(f"unsupported joint-graph input {node.name}: {desc}")
-
+    inputs = _describe_inputs(joint, traced_inputs, arg_indices, dynamo_placeholders)
     output_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
-    flat_outputs, descs = output_node.args[0], output_node.meta["desc"]
-    outputs: list[GraphOutput] = []
-    kept: list[fx.Node] = []
-    for value, desc in zip(flat_outputs, descs):
-        if value is None:
-            continue
-        if isinstance(desc, aot_desc.PlainAOTOutput):
-            role = OutputRole.LOSS if training and desc.idx == 0 else OutputRole.OUTPUT
-            outputs.append(GraphOutput(value.name, role, desc.idx))
-        elif isinstance(desc, aot_desc.GradAOTOutput) and isinstance(desc.grad_of, aot_desc.PlainAOTInput):
-            outputs.append(GraphOutput(value.name, OutputRole.GRAD, arg_indices[desc.grad_of.idx]))
-        elif isinstance(desc, aot_desc.InputMutationAOTOutput) and isinstance(
-                desc.mutated_input, aot_desc.PlainAOTInput):
-            outputs.append(GraphOutput(value.name, OutputRole.MUTATION, arg_indices[desc.mutated_input.idx]))
-        else:
-            raise PiperError(f"unsupported joint-graph output {getattr(value, 'name', value)}: {desc}")
-        kept.append(value)
-
+    outputs, kept = _describe_outputs(output_node, arg_indices, training)
     if training:
-        tangents = [i for i in inputs if i.role is InputRole.TANGENT]
-        loss = next((o for o in outputs if o.role is OutputRole.LOSS), None)
-        loss_val = next((n.meta["val"] for n in joint.graph.nodes if loss and n.name == loss.name), None)
-        if loss_val is None or len(tangents) != 1 or loss_val.numel() != 1:
-            shape = tuple(loss_val.shape) if loss_val is not None else None
-            raise PiperError(
-                f"the compiled graph returns {len(tangents)} differentiable outputs, the first of shape "
-                f"{shape}; piper_fx runs whole training steps and needs the model to return its scalar "
-                "loss first and nothing else that requires grad. A graph break also splits the model "
-                "into graphs that do not end in the loss: compile with fullgraph=True to find it")
+        _check_one_scalar_loss(joint, inputs, outputs)
 
     # A flat calling convention (placeholders in, flat tuple out) for the passes.
     joint.graph._codegen = fx.graph.CodeGen()

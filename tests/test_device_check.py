@@ -1,0 +1,21 @@
+"""`make gpu-check`'s script (examples/device_check.py), run on CPU ranks: it reports every case equal."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_device_check_on_cpu_ranks_reports_equal():
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "device_check.py"), "--device", "cpu",
+                          "--cases", "single_eager,dp2_zero1"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line.split() for line in run.stdout.splitlines() if line.startswith(("single_eager", "dp2_zero1"))]
+    assert [row[0] for row in rows] == ["single_eager", "dp2_zero1"] and all(row[-1] == "equal" for row in rows)
+    assert "all cases equal" in run.stdout
+
+
+def test_device_check_names_a_case_it_does_not_know():
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "device_check.py"), "--device", "cpu",
+                          "--cases", "dp3_zero9"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "unknown cases ['dp3_zero9']" in run.stderr
