@@ -45,7 +45,7 @@ def _run_cases(cases: list) -> list:
 
     import piper_fx
     from examples.gpt import GPT, GPTConfig
-    from training import SMALL, global_batch
+    from training import SMALL, _capture_compiled_step, global_batch
 
     class DeviceRecorder(TorchDispatchMode):
         """Records every op whose result is a tensor off the model's device."""
@@ -79,17 +79,8 @@ def _run_cases(cases: list) -> list:
             dp = world // 2 if world == 4 else 1
             x, y = global_batch(0, 2 * MICROBATCHES * dp, model.cfg)
             x, y = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
-            captured: dict = {}
-
-            def backend(gm, example_inputs):
-                captured["step"] = step = piper_fx.piper_backend(gm, example_inputs, options)
-
-                def call(*args):
-                    captured["args"] = args
-                    return step(*args)
-                return call
-
-            torch.compile(model, backend=backend)(x, y).backward()  # compiles; Dynamo runs no frame under a mode
+            compiled, captured = _capture_compiled_step(model, options)
+            compiled(x, y).backward()  # compiles; Dynamo runs no frame under a mode
             recorder = DeviceRecorder()
             with torch.device("meta"), recorder:  # the step itself, called as Dynamo calls it, and its backward
                 loss = captured["step"](*captured["args"])[0]
