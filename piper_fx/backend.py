@@ -25,11 +25,11 @@ from .prepare import check_prepared
 from .runtime.executor import ProgramExecutor
 from .runtime.step import CompiledStep
 from .schedules import svg, text_grid
+from .sharding.holdings import Holding, has_holding, record_holding, record_pipeline_trainer
 from .sharding.mesh import dp_group_name, pp_group_name
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.specs import placement_table
 from .sharding.units import find_units
-from .state_dict import mark_pipeline_owner
 
 
 def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: DebugDump | None = None) -> TrainingDAG:
@@ -59,6 +59,20 @@ def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: Deb
             dump.write("placement_table.txt", placement_table(dag.joint.graph))
 
     return run_passes(dag, strategy, after_pass)
+
+
+def record_compiled_holdings(dag, example_inputs: list, strategy: Strategy) -> None:
+    """Complete each parameter's `Holding`: a replica over dp if `prepare` did not
+    lay it out, and under a pipeline, the pipeline rank that trains it."""
+    for graph_input in dag.inputs:
+        if graph_input.role not in (InputRole.PARAM, InputRole.PARAM_SHARD):
+            continue
+        parameter = example_inputs[graph_input.arg_index]
+        if not has_holding(parameter):
+            record_holding(parameter, Holding(tuple(parameter.shape), replica_group=dag.dp_group))
+        holders = dag.parameter_holders.get(graph_input.name)
+        if strategy.pp > 1 and holders:  # they all end the step with the same value; the first counts
+            record_pipeline_trainer(parameter, holders[0], pp_group_name(strategy))
 
 
 def check_one_device(example_inputs: list) -> torch.device | None:
@@ -92,11 +106,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     # `prepare`: start every replica from the first one's values, as DDP does.
     replicated = [i.arg_index for i in dag.inputs if i.role in (InputRole.PARAM, InputRole.BUFFER)]
     broadcast_from_first_replica([example_inputs[i] for i in replicated], dag.dp_group)
-    if strategy.pp > 1:
-        for graph_input in dag.inputs:
-            holders = dag.parameter_holders.get(graph_input.name)
-            if holders:  # they all end the step with the same value; report the first's
-                mark_pipeline_owner(example_inputs[graph_input.arg_index], holders[0], pp_group_name(strategy))
+    record_compiled_holdings(dag, example_inputs, strategy)
     program = dag.programs[strategy.rank]
     dump.write("program.txt", program.render())
     dump.write("schedule.txt", text_grid(dag.schedule))

@@ -14,7 +14,8 @@ from .compat import maybe_mark_dynamic
 from .errors import PiperConfigError
 from .options import Strategy, parse_options_on_all_ranks
 from .sharding.experts import expert_parameters, is_expert_parameter, shard_experts
-from .sharding.mesh import dp_group_name, ep_group_name
+from .sharding.holdings import Holding, held_parameters, record_holding
+from .sharding.mesh import dp_group_name, ep_group_name, expert_replica_group_name
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.row_shard import shard_parameters, sharded_parameter_info
 
@@ -54,10 +55,26 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
                          keep=lambda p: strategy.ep > 1 and is_expert_parameter(p))
     if experts:
         shard_experts(model, ep_group_name(strategy), strategy.ep, strategy.ep_index)
+    record_holdings(model, strategy)
     if strategy.microbatches > 1:
         model.register_forward_pre_hook(_mark_batch_dimension_dynamic)
     setattr(model, _LAYOUT_ATTR, strategy.layout_key())
     return model
+
+
+def record_holdings(model: nn.Module, strategy: Strategy) -> None:
+    """Record how this rank holds each parameter of `model` (laid out for `strategy`):
+    ZeRO shards over dp, blocks of experts over ep (copies of them over the
+    other ep groups), everything else whole, a replica over dp."""
+    for held in held_parameters(model):
+        info = sharded_parameter_info(held.parameter)
+        if info is not None and info.mesh_dim == "ep":
+            holding = Holding(info.layout.full_shape, info.group_name, expert_replica_group_name(strategy))
+        elif info is not None:
+            holding = Holding(info.layout.full_shape, info.group_name)
+        else:
+            holding = Holding(tuple(held.parameter.shape), replica_group=dp_group_name(strategy))
+        record_holding(held.parameter, holding)
 
 
 def _check_experts(experts: dict[str, nn.Parameter], ep: int) -> None:

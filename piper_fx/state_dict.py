@@ -5,26 +5,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .compat import resolve_process_group
+from .sharding.holdings import holding_of
 from .sharding.row_shard import sharded_parameter_info
-
-# For each parameter of a pipeline, recorded by the backend when it compiles:
-# a pipeline rank whose stage reads it (ranks whose stages do not read it never
-# update it) and the pipeline group's name. Kept here, not on the user's
-# parameter, for as long as the parameter lives (keyed by identity: a tensor's
-# `==` compares values).
-_PIPELINE_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def mark_pipeline_owner(parameter: torch.Tensor, pp_rank: int, pp_group_name: str) -> None:
-    _PIPELINE_OWNERS[parameter] = (pp_rank, pp_group_name)
 
 
 def _from_owner(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
-    """`value` as the parameter's owning pipeline rank has it (collective over the pp group)."""
-    owner = _PIPELINE_OWNERS.get(parameter)
+    """`value` as the pipeline rank that trains the parameter has it (collective over the pp group)."""
+    owner = holding_of(parameter).pipeline
     if owner is None:
         return value
     owner, group_name = owner
