@@ -4,9 +4,13 @@
     step = torch.compile(model, backend="piper", options=options)
     loss = step(x, y); loss.backward(); opt.step()
     state = piper_fx.full_state_dict(model)
+    piper_fx.clip_grad_norm_(model, max_norm)         # the norm over every rank's pieces
+    piper_fx.save_checkpoint(path, model, opt, step=n); piper_fx.load_checkpoint(path, model, opt)
 """
 from .annotate import annotate
 from .backend import piper_backend, register as _register
+from .checkpoint import load_checkpoint, model_state_dict, optimizer_state_dict, save_checkpoint
+from .clipping import clip_grad_norm_
 from .errors import PeerFailedError, PiperConfigError, PiperError
 from .options import Strategy, parse_options
 from .prepare import prepare
@@ -17,5 +21,7 @@ from . import schedules
 
 _register()
 
-__all__ = ["annotate", "PeerFailedError", "PiperConfigError", "PiperError", "Strategy", "full_state_dict", "parse_options",
-           "last_step_stats", "last_step_trace", "mark_experts", "piper_backend", "prepare", "schedules"]
+__all__ = ["annotate", "clip_grad_norm_", "PeerFailedError", "PiperConfigError", "PiperError", "Strategy",
+           "full_state_dict", "load_checkpoint", "model_state_dict", "optimizer_state_dict", "parse_options",
+           "last_step_stats", "last_step_trace", "mark_experts", "piper_backend", "prepare", "save_checkpoint",
+           "schedules"]

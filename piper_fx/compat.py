@@ -51,6 +51,9 @@ from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: F40
 # DTensor's sharding propagation on one op (placements of an FX node from its inputs').
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
 from torch.distributed.tensor._op_schema import OpSchema  # noqa: F401
+# Gives an optimizer its state (a zero-gradient step at lr 0) before a checkpoint is loaded into
+# it, as `set_optimizer_state_dict` does internally; public only inside that function.
+from torch.distributed.checkpoint.state_dict import _init_optim_state  # noqa: F401
 # Dispatch modes (memory and wait timing around tasks) and pytree leaves: stable in practice,
 # public in name only under torch.utils._python_dispatch / _pytree.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401

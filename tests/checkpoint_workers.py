@@ -1,0 +1,143 @@
+"""Per-rank training runs that save and resume checkpoints (run inside `run_ranks`; tests/test_checkpoint.py).
+
+Every run trains the SMALL GPT with tied embeddings on the same global batches
+(`global_batch(step, 4, cfg)`), each rank on its data-parallel share. Results
+travel back as numpy arrays and floats: a worker's tensors would travel as
+shared memory that dies with it.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import piper_fx
+from examples.gpt import GPT, GPTConfig
+from piper_fx.checkpoint import load_checkpoint, save_checkpoint
+from training import SMALL, global_batch, make_optimizer, optimizer_state_bytes
+
+GLOBAL_BATCH = 4
+SAVE_AFTER, STEPS = 3, 6
+ZERO3 = {"zero": 3, "codegen": "eager"}
+PP2_1F1B = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+OPTIMIZERS = ("sgd", "adamw_eps")
+
+
+def config() -> GPTConfig:
+    return GPTConfig(**SMALL, tied_embeddings=True)
+
+
+def build(options: dict, seed: int):
+    """A fresh GPT initialized from `seed`, prepared for `options`."""
+    torch.manual_seed(seed)
+    model = GPT(config())
+    if options.get("mesh", {}).get("pp", 1) > 1:
+        model.block_context = lambda: piper_fx.annotate("PP")
+    return piper_fx.prepare(model, options)
+
+
+def compiled(model, options: dict):
+    return torch.compile(model, backend="piper", options=options)
+
+
+def train(step, opt, options: dict, steps: range, rank: int, world: int) -> tuple[list[float], list[float]]:
+    """Train the compiled `step` on global batches `steps`: (this rank's losses, the global batch's losses)."""
+    dp = options.get("mesh", {}).get("dp", world // options.get("mesh", {}).get("pp", 1))
+    local, mean = [], []
+    for i in steps:
+        x, y = global_batch(i, GLOBAL_BATCH, config())
+        loss = step(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        local.append(loss.item())
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        mean.append(total.item() / world)  # every rank's loss is its dp replica's: the mean is the global one
+    return local, mean
+
+
+def full_numpy(model) -> dict[str, np.ndarray]:
+    return {name: t.numpy().copy() for name, t in piper_fx.full_state_dict(model).items()}
+
+
+def _snapshot(model, opt) -> list[torch.Tensor]:
+    tensors = [p.detach().clone() for p in model.parameters()]
+    tensors += [t.clone() for state in opt.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+    return tensors + [torch.get_rng_state()]
+
+
+def train_and_save_worker(rank: int, world: int, root: str) -> dict:
+    """ZeRO-3 over dp = world, for each optimizer: STEPS steps uninterrupted from the same
+    initial values, with a checkpoint saved after step SAVE_AFTER to root/<optimizer>. Every
+    step's losses, the final full state, rank 0's RNG state at saving, and whether saving left
+    everything as it was. (One model and one compiled step: each run starts by putting the
+    initial values back into the parameters, as a fresh model from the same seed would have.)"""
+    model = build(ZERO3, seed=0)
+    initial = [p.detach().clone() for p in model.parameters()]
+    step = compiled(model, ZERO3)
+    results = {}
+    for name in OPTIMIZERS:
+        with torch.no_grad():
+            for p, value in zip(model.parameters(), initial):
+                p.copy_(value)
+        opt = make_optimizer(name, model.parameters())
+        first_local, first_mean = train(step, opt, ZERO3, range(SAVE_AFTER), rank, world)
+        before = _snapshot(model, opt)
+        save_checkpoint(os.path.join(root, name), model, opt, step=SAVE_AFTER)
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
+        rng_at_save = torch.get_rng_state().numpy().copy()
+        last_local, last_mean = train(step, opt, ZERO3, range(SAVE_AFTER, STEPS), rank, world)
+        results[name] = {"local_losses": first_local + last_local, "losses": first_mean + last_mean,
+                         "final": full_numpy(model), "rng_at_save": rng_at_save, "save_changed_nothing": unchanged}
+    torch._dynamo.reset()
+    return results
+
+
+def resume_worker(rank: int, world: int, root: str) -> dict:
+    """At ZeRO-3 over dp = world, each optimizer resumed from its checkpoint: SGD into a fresh
+    model (each rank's own init, unlike the saved run's) loaded before compiling, then AdamW with a
+    fresh optimizer into that same model, compiled and trained by then (loading after compiling).
+    Then AdamW resumed at pp = world 1F1B into a fresh model and saved again to root/pp after
+    training: its final full state and the parameters this rank holds stale copies of."""
+    results = {}
+    model, step = build(ZERO3, seed=100 + rank), None
+    for name in OPTIMIZERS:
+        opt = make_optimizer(name, model.parameters())
+        torch.manual_seed(1000 + rank)  # an RNG state of this rank's own, unlike any saved one
+        rng_before = torch.get_rng_state().numpy().copy()
+        resumed_at = load_checkpoint(os.path.join(root, name), model, opt)
+        state_bytes = optimizer_state_bytes(opt)
+        rng = torch.get_rng_state().numpy().copy()
+        step = compiled(model, ZERO3) if step is None else step
+        local, mean = train(step, opt, ZERO3, range(resumed_at, STEPS), rank, world)
+        results[name] = {
+            "step": resumed_at, "local_losses": local, "losses": mean, "final": full_numpy(model),
+            "rng_before_load": rng_before, "rng_after_load": rng, "optimizer_state_bytes": state_bytes,
+            "local_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "full_param_bytes": sum(p.numel() * p.element_size() for p in GPT(config()).parameters()),
+        }
+    torch._dynamo.reset()
+
+    model = build(PP2_1F1B, seed=200 + rank)
+    opt = make_optimizer("adamw_eps", model.parameters())
+    resumed_at = load_checkpoint(os.path.join(root, "adamw_eps"), model, opt)
+    local, _ = train(compiled(model, PP2_1F1B), opt, PP2_1F1B, range(resumed_at, STEPS), rank, world)
+    save_checkpoint(os.path.join(root, "pp"), model, opt, step=STEPS)
+    final = full_numpy(model)
+    stale = sorted(name for name, p in model.named_parameters() if not np.array_equal(p.detach().numpy(), final[name]))
+    results["pp"] = {"step": resumed_at, "losses": local, "final": final, "stale": stale}
+    torch._dynamo.reset()
+    return results
+
+
+def resume_zero1_worker(rank: int, world: int, root: str) -> dict:
+    """AdamW resumed at ZeRO-1 over dp = world: the global losses and the final full state."""
+    options = {"zero": 1, "codegen": "eager"}
+    model = build(options, seed=300 + rank)
+    opt = make_optimizer("adamw_eps", model.parameters())
+    resumed_at = load_checkpoint(os.path.join(root, "adamw_eps"), model, opt)
+    _, mean = train(compiled(model, options), opt, options, range(resumed_at, STEPS), rank, world)
+    return {"step": resumed_at, "losses": mean, "final": full_numpy(model)}

@@ -1,0 +1,196 @@
+"""Checkpoints (piper_fx/checkpoint.py): bit-exact resume, resume under other strategies and without piper_fx.
+
+One 2-rank run trains dp2 ZeRO-3 uninterrupted and saves after step 3 (SGD and
+AdamW); a second 2-rank run resumes both at dp2 ZeRO-3, and AdamW at pp2 1F1B,
+which saves again; a 4-rank run resumes AdamW at dp4 ZeRO-1; this process
+resumes it in a plain GPT with torch's own DCP calls.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+import piper_fx.checkpoint
+from checkpoint_workers import (GLOBAL_BATCH, OPTIMIZERS, SAVE_AFTER, STEPS, config, resume_worker,
+                                resume_zero1_worker, train_and_save_worker)
+from examples.gpt import GPT
+from piper_fx.checkpoint import load_checkpoint, save_checkpoint
+from ranks import run_ranks
+from training import global_batch, make_optimizer, relative_error
+
+# fp32 parity, as tests/test_pipeline.py (AdamW with eps = 1e-4: see make_optimizer("adamw_eps")).
+LOSS_RTOL = PARAM_RTOL = 1e-5
+# Without a process group DCP warns that it works in this process alone: what these tests mean.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def saved(root):
+    return run_ranks(train_and_save_worker, 2, root)
+
+
+@pytest.fixture(scope="module")
+def resumed(root, saved):
+    return run_ranks(resume_worker, 2, root)
+
+
+@pytest.fixture(scope="module")
+def resumed_zero1(root, saved):
+    return run_ranks(resume_zero1_worker, 4, root, deadline_s=300)
+
+
+def _assert_continues(run: dict, uninterrupted: dict, label: str) -> None:
+    """`run` (resumed after step SAVE_AFTER) equals `uninterrupted`'s last steps within fp32 tolerance."""
+    assert run["step"] == SAVE_AFTER, label
+    for got, want in zip(run["losses"], uninterrupted["losses"][SAVE_AFTER:], strict=True):
+        assert abs(got - want) / abs(want) < LOSS_RTOL, (label, run["losses"], uninterrupted["losses"])
+    assert run["final"].keys() == uninterrupted["final"].keys(), label
+    errors = {name: relative_error(torch.from_numpy(run["final"][name]), torch.from_numpy(value))
+              for name, value in uninterrupted["final"].items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < PARAM_RTOL, (label, worst, errors[worst])
+
+
+def test_resume_under_the_same_strategy_is_bit_exact(saved, resumed):
+    for name in OPTIMIZERS:
+        rng_at_save = saved[0][name]["rng_at_save"]
+        for rank in range(2):
+            before, after = saved[rank][name], resumed[rank][name]
+            assert before["save_changed_nothing"], (name, rank)
+            assert after["step"] == SAVE_AFTER
+            assert after["local_losses"] == before["local_losses"][SAVE_AFTER:], (name, rank)
+            assert after["final"].keys() == before["final"].keys()
+            for key, value in before["final"].items():
+                assert np.array_equal(after["final"][key], value), (name, rank, key)
+            # Every rank resumes with rank 0's RNG state, not its own.
+            assert not np.array_equal(after["rng_before_load"], rng_at_save)
+            assert np.array_equal(after["rng_after_load"], rng_at_save), (name, rank)
+
+
+def test_resume_at_pp2_1f1b(saved, resumed):
+    for rank in range(2):
+        _assert_continues(resumed[rank]["pp"], saved[0]["adamw_eps"], f"pp2 rank {rank}")
+
+
+def test_resume_at_dp4_zero1(saved, resumed_zero1):
+    for rank, run in enumerate(resumed_zero1):
+        _assert_continues(run, saved[0]["adamw_eps"], f"dp4 ZeRO-1 rank {rank}")
+
+
+def _train_plain(model, opt, steps: range) -> list[float]:
+    losses = []
+    for i in steps:
+        loss = model(*global_batch(i, GLOBAL_BATCH, config()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_resume_in_a_plain_process_without_piper_fx(root, saved):
+    torch.manual_seed(7)
+    model = GPT(config())
+    opt = make_optimizer("adamw_eps", model.parameters())
+    model_state, optim_state = model.state_dict(), get_optimizer_state_dict(model, opt)
+    dcp.load({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(root, "adamw_eps"))
+    model.load_state_dict(model_state, strict=True)
+    set_optimizer_state_dict(model, opt, optim_state)
+    losses = _train_plain(model, opt, range(SAVE_AFTER, STEPS))
+    final = {name: t.numpy() for name, t in model.state_dict().items()}
+    _assert_continues({"step": SAVE_AFTER, "losses": losses, "final": final}, saved[0]["adamw_eps"], "plain")
+
+
+def test_checkpoint_has_the_plain_models_keys_and_zero3_state_is_sharded(root, resumed):
+    metadata = dcp.FileSystemReader(os.path.join(root, "adamw_eps")).read_metadata().state_dict_metadata
+    torch.manual_seed(0)
+    plain = GPT(config())
+    opt = make_optimizer("adamw_eps", plain.parameters())
+    plain_optim = get_optimizer_state_dict(plain, opt)  # torch's layout, keyed by each parameter's first name
+    model_keys = {key[len("model."):]: meta for key, meta in metadata.items() if key.startswith("model.")}
+    assert model_keys.keys() == plain.state_dict().keys()  # wte.weight and lm_head.weight, tied
+    assert {"wte.weight", "lm_head.weight"} <= model_keys.keys()
+    for key, value in plain.state_dict().items():
+        assert tuple(model_keys[key].size) == tuple(value.shape), key
+    optim_keys = {key for key in metadata if key.startswith("optimizer.state.")}
+    assert optim_keys == {f"optimizer.state.{fqn}.{k}" for fqn, s in plain_optim["state"].items() for k in s}
+    assert metadata["step"] is not None and "rng.cpu" in metadata
+
+    for rank, run in enumerate(resumed):
+        # Loaded at ZeRO-3 over dp2: Adam's two states of this rank's row shards, 1/dp of the full model's
+        # (plus the padding rows of odd row counts).
+        dp, state, full = 2, run["adamw_eps"]["optimizer_state_bytes"], 2 * run["adamw_eps"]["full_param_bytes"]
+        padding = 2 * (run["adamw_eps"]["local_param_bytes"] - run["adamw_eps"]["full_param_bytes"] / dp)
+        assert full / dp <= state <= full / dp * 1.10 + padding, (rank, state, full)
+
+
+def test_pipeline_checkpoint_takes_each_parameter_from_the_rank_that_trains_it(root, resumed):
+    stale = [set(resumed[rank]["pp"]["stale"]) for rank in range(2)]
+    assert stale[0] and stale[1] and not stale[0] & stale[1], stale  # each rank holds stale copies of the other's
+    torch.manual_seed(7)
+    model = GPT(config())
+    opt = make_optimizer("adamw_eps", model.parameters())
+    assert load_checkpoint(os.path.join(root, "pp"), model, opt) == STEPS  # a plain model, no process group
+    loaded = model.state_dict()
+    for rank in range(2):
+        full = resumed[rank]["pp"]["final"]
+        assert full.keys() == loaded.keys()
+        for key, value in full.items():
+            assert torch.equal(loaded[key], torch.from_numpy(value)), (rank, key)
+
+
+def test_single_process_round_trip_and_repair_of_pieces_read_elsewhere(tmp_path, monkeypatch):
+    """Without a process group, with gradients present when loading, and with pieces that DCP
+    reads into copies (as a storage reader that does not write through would): loading still
+    leaves the parameters, the optimizer state and the RNG as saved, and the gradients as they were."""
+    torch.manual_seed(0)
+    model = GPT(config())
+    opt = make_optimizer("sgd", model.parameters())
+    _train_plain(model, opt, range(2))
+    torch.manual_seed(42)
+    save_checkpoint(tmp_path, model, opt, step=2)
+    expected_random = torch.rand(3)
+
+    resolve = piper_fx.checkpoint._WriteThroughPlanner.resolve_tensor
+    monkeypatch.setattr(piper_fx.checkpoint._WriteThroughPlanner, "resolve_tensor",
+                        lambda self, item: resolve(self, item).clone())
+    torch.manual_seed(1)
+    fresh = GPT(config())
+    fresh_opt = make_optimizer("sgd", fresh.parameters())
+    fresh_opt.param_groups[0]["lr"] = 0.25
+    fresh(*global_batch(9, GLOBAL_BATCH, config())).backward()
+    grads = [p.grad.clone() for p in fresh.parameters()]
+    assert load_checkpoint(tmp_path, fresh, fresh_opt) == 2
+    assert torch.equal(torch.rand(3), expected_random)
+    for (key, want), got in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(got, want), key
+    for p, q, grad in zip(model.parameters(), fresh.parameters(), grads):
+        assert torch.equal(fresh_opt.state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"])
+        assert torch.equal(q.grad, grad)
+    assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_load_checkpoint_reads_a_checkpoint_torch_saved(tmp_path):
+    """A plain process's own DCP checkpoint (torch's state dict layouts, no step or RNG) loads too."""
+    torch.manual_seed(0)
+    model = GPT(config())
+    opt = make_optimizer("adamw_eps", model.parameters())
+    _train_plain(model, opt, range(2))
+    dcp.save({"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=tmp_path)
+    torch.manual_seed(1)
+    fresh = GPT(config())
+    fresh_opt = make_optimizer("adamw_eps", fresh.parameters())
+    assert load_checkpoint(tmp_path, fresh, fresh_opt) is None
+    for (key, want), got in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(got, want), key
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        for key, value in opt.state[p].items():
+            assert torch.equal(fresh_opt.state[q][key], value), key
