@@ -19,10 +19,10 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 demo: venv
-	$(PY) examples/train_gpt.py --nproc 4 --strategy examples/strategies/pp2_dp2_zero3_1f1b.json --steps 300 --debug-dir piper_debug
+	$(PY) examples/train_gpt.py --nproc 4 --strategy examples/strategies/pp2_dp2_zero3_1f1b.json --steps 300 --debug-dir piper_debug --checkpoint-dir piper_checkpoints --checkpoint-every 150
 
 # On a machine with GPUs and a CUDA build of torch (2.11 to 2.13) in $(PYTHON): not the CPU venv.
 # piper_fx against single-device PyTorch on every case that fits the GPUs (examples/device_check.py).
@@ -30,4 +30,4 @@ gpu-check:
 	$(PYTHON) examples/device_check.py --device cuda
 
 clean:
-	rm -rf piper_debug .pytest_cache
+	rm -rf piper_debug piper_checkpoints .pytest_cache

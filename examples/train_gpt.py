@@ -5,6 +5,8 @@
     python examples/train_gpt.py --experts 4 --strategy examples/strategies/pp2_dp2_ep2_dualpipev.json
     torchrun --nproc-per-node 2 examples/train_gpt.py --strategy examples/strategies/zero3.json
     torchrun --nproc-per-node 2 examples/train_gpt.py --device cuda --strategy examples/strategies/pp2_1f1b.json
+    python examples/train_gpt.py --steps 100 --checkpoint-dir ckpt            # saves ckpt/step_50, ckpt/step_100
+    python examples/train_gpt.py --steps 200 --checkpoint-dir ckpt --resume   # goes on from step 100
 
 Run plainly, it spawns `--nproc` ranks itself (file rendezvous); under
 torchrun (RANK and WORLD_SIZE set) it is one rank. With `--device cuda` each
@@ -18,6 +20,12 @@ time, compute, exposed communication, bytes per collective, peak memory),
 writes the ranks' merged Chrome trace of the last step to the debug
 directory, and samples text from the gathered weights in a plain
 single-process GPT, outside piper_fx.
+
+With `--checkpoint-dir`, every `--checkpoint-every` steps (and after the last)
+the model and optimizer are saved with torch.distributed.checkpoint
+(`piper_fx.save_checkpoint`) into DIR/step_N; `--resume` loads the newest one
+first and trains on from its step, with any strategy (the checkpoint is
+resharded for the one given).
 """
 from __future__ import annotations
 
@@ -83,7 +91,19 @@ def parse_args() -> argparse.Namespace:
                         help="cuda: rank r on cuda:LOCAL_RANK over NCCL (one GPU per rank); cpu: gloo")
     parser.add_argument("--batch-size", type=positive_int, default=16, help="global batch, split over dp ranks")
     parser.add_argument("--block-size", type=positive_int, default=64, help="tokens per sequence")
-    return parser.parse_args()
+    parser.add_argument("--checkpoint-dir", type=Path, help="save DIR/step_N checkpoints (torch.distributed.checkpoint)")
+    parser.add_argument("--checkpoint-every", type=positive_int, default=50, help="steps between checkpoints")
+    parser.add_argument("--resume", action="store_true", help="start from the newest checkpoint in --checkpoint-dir")
+    args = parser.parse_args()
+    if args.resume and args.checkpoint_dir is None:
+        parser.error("--resume needs --checkpoint-dir")
+    return args
+
+
+def newest_checkpoint(directory: Path) -> Path | None:
+    steps = [(int(path.name.removeprefix("step_")), path) for path in directory.glob("step_*")
+             if path.name.removeprefix("step_").isdigit() and (path / ".metadata").exists()]
+    return max(steps)[1] if steps else None
 
 
 def strategy_options(args: argparse.Namespace, world_size: int) -> dict:
@@ -160,6 +180,16 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
             piper_fx.mark_experts(experts)
     piper_fx.prepare(model, options)
     opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    first = 0
+    if args.resume:
+        checkpoint = newest_checkpoint(args.checkpoint_dir)
+        if checkpoint is None:
+            raise SystemExit(f"--resume: no checkpoint in {args.checkpoint_dir}")
+        first = piper_fx.load_checkpoint(checkpoint, model, opt)  # collective
+        if first >= args.steps:
+            raise SystemExit(f"--resume: {checkpoint} is at step {first}, not before --steps {args.steps}")
+        if rank == 0:
+            print(f"resumed from {checkpoint} (step {first})", flush=True)
     step = torch.compile(model, backend="piper", options=options)
 
     if rank == 0:
@@ -168,8 +198,8 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     losses: list[float] = []
     step_stats: list[dict] = []
     start = last_time = time.perf_counter()
-    last_step = 0
-    for i in range(args.steps):
+    last_step = first
+    for i in range(first, args.steps):
         x, y = batches(tokens, args.batch_size, args.block_size, i, strategy.dp_index, strategy.dp)
         loss = step(x.to(device), y.to(device))
         loss.backward()
@@ -183,16 +213,22 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
         losses.append(mean_loss.item() / world_size)
         step_stats.append(piper_fx.last_step_stats())
         done = i + 1
-        if done == 1:
+        if done == first + 1:
             first_step_s = time.perf_counter() - start
         # Step 1 is reported too: its time is mostly compilation.
-        if rank == 0 and (done == 1 or done % PRINT_EVERY == 0 or done == args.steps):
+        if rank == 0 and (done == first + 1 or done % PRINT_EVERY == 0 or done == args.steps):
             now = time.perf_counter()
             tokens_per_s = (done - last_step) * args.batch_size * args.block_size / (now - last_time)
             print(f"step {done:5d}  loss {losses[-1]:.4f}  {tokens_per_s:8.0f} tokens/s  "
                   f"{now - start:7.1f}s elapsed", flush=True)
             last_time, last_step = now, done
+        if args.checkpoint_dir is not None and (done % args.checkpoint_every == 0 or done == args.steps):
+            saved = args.checkpoint_dir / f"step_{done}"
+            piper_fx.save_checkpoint(saved, model, opt, step=done)  # collective
+            if rank == 0:
+                print(f"checkpoint: {saved}", flush=True)
     total_s = time.perf_counter() - start
+    steps_run = args.steps - first
 
     state = piper_fx.full_state_dict(model)  # collective: every rank takes part
     summaries: list = [None] * world_size
@@ -208,11 +244,11 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     pictures = sorted(Path(options["debug_dir"]).glob("rank0/graph*/schedule.svg"))
     if strategy.pp > 1 and pictures:
         print(f"schedule picture: {pictures[-1]}")
-    window = max(1, min(LOSS_WINDOW, args.steps // 2))
+    window = max(1, min(LOSS_WINDOW, steps_run // 2))
     print(f"mean loss: first {window} steps {statistics.fmean(losses[:window]):.4f} -> "
           f"last {window} steps {statistics.fmean(losses[-window:]):.4f}")
-    steady = f", then {(total_s - first_step_s) / (args.steps - 1) * 1000:.0f} ms/step" if args.steps > 1 else ""
-    print(f"total time {total_s:.1f}s for {args.steps} steps (first step {first_step_s:.1f}s with compilation{steady})")
+    steady = f", then {(total_s - first_step_s) / (steps_run - 1) * 1000:.0f} ms/step" if steps_run > 1 else ""
+    print(f"total time {total_s:.1f}s for {steps_run} steps (first step {first_step_s:.1f}s with compilation{steady})")
     print(f"debug dumps: {options['debug_dir']}")
     # A global batch no step trained on, through plain single-process PyTorch.
     x, y = batches(tokens, args.batch_size, args.block_size, args.steps, 0, 1)
