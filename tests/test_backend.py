@@ -99,8 +99,9 @@ def test_debug_dumps_show_every_stage(tmp_path):
     for expected in ["00_dynamo_graph.py", "01_joint_graph.py", "placement_table.txt", "program.txt",
                      "codegen/F0.py", "codegen/B0.py", "passes/02_functionalize_random.py",
                      "passes/03_shard_experts.py", "passes/04_unshard_parameters.py",
-                     "passes/06_propagate_placements.py", "passes/07_choose_schedule.py",
-                     "passes/08_split_stages.py",
+                     "passes/05_reduce_gradients.py", "passes/06_lower_redistributions.py",
+                     "passes/07_propagate_placements.py", "passes/08_choose_schedule.py",
+                     "passes/09_split_stages.py",
                      "schedule.txt", "schedule.svg"]:
         assert expected in names, (expected, sorted(names))
     table = (graph_dir / "placement_table.txt").read_text()

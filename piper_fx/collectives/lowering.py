@@ -44,12 +44,9 @@ def reduce_scatter_rows(grad: torch.Tensor, shard_rows: int, group_size: int, gr
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(padded, "avg", group_size, group_name))
 
 
-def all_reduce_then_take_rows(
-    grad: torch.Tensor, shard_rows: int, group_size: int, group_name: str, group_rank: int
-) -> torch.Tensor:
-    """Average a full gradient over the group, then keep this rank's row shard (ZeRO-1)."""
-    reduced = all_reduce_mean(grad, group_name)
-    padded = _pad_rows(_as_rows(reduced), shard_rows * group_size)
+def take_rows(full: torch.Tensor, shard_rows: int, group_size: int, group_rank: int) -> torch.Tensor:
+    """This rank's row shard of a value every rank holds whole (no communication)."""
+    padded = _pad_rows(_as_rows(full), shard_rows * group_size)
     return padded.narrow(0, group_rank * shard_rows, shard_rows).clone()
 
 

@@ -20,6 +20,7 @@ from .bucket_collectives import bucket_collectives
 from .build_rank_programs import build_rank_programs
 from .choose_schedule import choose_schedule
 from .functionalize_random import functionalize_random
+from .lower_redistributions import lower_redistributions
 from .fuse_overlapped_pairs import fuse_overlapped_pairs
 from .propagate_placements import propagate_placements
 from .reduce_gradients import reduce_gradients
@@ -50,9 +51,10 @@ JOINT, STAGED, PROGRAMS = Level.JOINT, Level.STAGED, Level.PROGRAMS
 PIPELINE: tuple[Pass, ...] = (
     #    the pass               takes     leaves
     Pass(functionalize_random,  JOINT,    JOINT),     # random ops (dropout) -> Philox of (global element, op, step)
-    Pass(shard_experts,         JOINT,    JOINT),     # EP: local expert blocks; all-to-alls at EP region boundaries
-    Pass(unshard_parameters,    JOINT,    JOINT),     # ZeRO: parameter all-gathers, once per step or at each use
-    Pass(reduce_gradients,      JOINT,    JOINT),     # DP/ZeRO: gradient all-reduce / reduce-scatter, averaged over dp
+    Pass(shard_experts,         JOINT,    JOINT),     # EP: local expert blocks; re-sharding at EP region boundaries
+    Pass(unshard_parameters,    JOINT,    JOINT),     # ZeRO: where shards are needed whole, once per step or per use
+    Pass(reduce_gradients,      JOINT,    JOINT),     # DP/ZeRO: gradients Partial(avg) -> Replicate() or Shard(0)
+    Pass(lower_redistributions, JOINT,    JOINT),     # every placement change -> its collective (one table)
     Pass(propagate_placements,  JOINT,    JOINT),     # DTensor-style spec on every node (descriptive)
     Pass(choose_schedule,       JOINT,    JOINT),     # the validated schedule: stage placement and action order
     Pass(split_stages,          JOINT,    STAGED),    # per stage: F and B tasks, P/E for once-per-step ops

@@ -1,13 +1,16 @@
-"""Pass: average parameter gradients over the data-parallel group.
+"""Pass: state how parameter gradients are averaged over the data-parallel group.
 
 Requires: the joint graph; ZeRO >= 1 gradients arrive through `piper::reduce_grad`
 markers (the backward of `piper::unshard`), ZeRO-0 gradients as GRAD outputs of
 PARAM placeholders.
-Guarantees: every parameter gradient output is the dp-average its owner needs
-and no `piper::reduce_grad` node remains:
-  - ZeRO-0 (DDP): all-reduce(avg) of the full gradient;
-  - ZeRO-1: all-reduce(avg) of the full gradient, then this rank's row shard;
-  - ZeRO-2/3: reduce-scatter(avg) straight into the row shard.
+Guarantees: no `piper::reduce_grad` node remains; every parameter gradient
+output leaves through the placement changes its owner needs, stated as
+`piper::redistribute` markers over the dp group (`collectives.redistribute`;
+`lower_redistributions` makes them collectives):
+  - ZeRO-0 (DDP): `Partial(avg)` -> `Replicate()` (an all-reduce);
+  - ZeRO-1: `Partial(avg)` -> `Replicate()`, then `Replicate()` -> `Shard(0)`
+    (an all-reduce, then this rank's rows);
+  - ZeRO-2/3: `Partial(avg)` -> `Shard(0)` (a reduce-scatter).
 With several microbatches, ZeRO-0/1 reductions are marked to run once per
 step on the gradient summed over microbatches (as DDP under `no_sync` then a
 final step); with one, they run in the backward where each gradient is
@@ -19,34 +22,38 @@ agree on the order of collectives.
 """
 from __future__ import annotations
 
-import functools
+import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
 
-from ..capture import decompositions_for
-from ..collectives.emit import insert_traced
-from ..collectives.lowering import all_reduce_mean, all_reduce_then_take_rows, reduce_scatter_rows
+from ..collectives.redistribute import AVG, state_redistribution
 from ..ir import InputRole, OutputRole, TrainingDAG
 from ..ops import COMM_NOTE, PHASE, REDUCE_GRAD, STEP_END
 from ..options import Strategy
 
 
+def _state(dag: TrainingDAG, strategy: Strategy, grad: fx.Node, changes, group_name: str, *, before: fx.Node,
+           like: fx.Node, meta: dict) -> fx.Node:
+    """State the placement changes of the full gradient `grad` in turn (each a (src, dst) pair) over the dp group."""
+    full_shape = grad.meta["val"].shape
+    for src, dst in changes:
+        grad = state_redistribution(dag.joint.graph, grad, src, dst, group_name=group_name, group_size=strategy.dp,
+                                    group_rank=strategy.dp_index, global_shape=full_shape, before=before, like=like,
+                                    meta=meta)
+    return grad
+
+
 def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:
     graph = dag.joint.graph
     for marker in [n for n in graph.nodes if n.op == "call_function" and n.target is REDUCE_GRAD]:
-        _, shard_rows, group_name = marker.args
+        grad, _, group_name = marker.args
         if strategy.zero == 1:
-            fn = functools.partial(all_reduce_then_take_rows, shard_rows=shard_rows, group_size=strategy.dp,
-                                   group_name=group_name, group_rank=strategy.dp_index)
-            kind = "all_reduce"
+            # ZeRO-1 reduces the step's summed gradient once; ZeRO-2/3 reduce-scatter
+            # every microbatch's, so no full gradient outlives its microbatch.
+            changes, kind, phase = [(AVG, Replicate()), (Replicate(), Shard(0))], "all_reduce", _once_per_step(strategy)
         else:
-            fn = functools.partial(reduce_scatter_rows, shard_rows=shard_rows, group_size=strategy.dp,
-                                   group_name=group_name)
-            kind = "reduce_scatter"
-        # ZeRO-1 reduces the step's summed gradient once; ZeRO-2/3 reduce-scatter
-        # every microbatch's, so no full gradient outlives its microbatch.
-        phase = _once_per_step(strategy) if strategy.zero == 1 else {}
-        reduced = insert_traced(graph, fn, [marker.args[0]], before=marker, like=marker,
-                                decompositions=decompositions_for(strategy),
-                                meta={COMM_NOTE: f"{kind} grad", **phase})
+            changes, kind, phase = [(AVG, Shard(0))], "reduce_scatter", {}
+        reduced = _state(dag, strategy, grad, changes, group_name, before=marker, like=marker,
+                         meta={COMM_NOTE: f"{kind} grad", **phase})
         marker.replace_all_uses_with(reduced)
         graph.erase_node(marker)
     dag.refresh_output_names()
@@ -58,17 +65,15 @@ def _once_per_step(strategy: Strategy) -> dict:
 
 
 def _all_reduce_full_gradients(dag: TrainingDAG, strategy: Strategy) -> None:
-    graph = dag.joint.graph
     inputs_by_arg = {i.arg_index: i for i in dag.inputs if i.arg_index is not None}
-    by_name = {n.name: n for n in graph.nodes}
+    by_name = {n.name: n for n in dag.joint.graph.nodes}
     new_outputs = []
     for out in dag.outputs:
         node = by_name[out.name]
         source = inputs_by_arg.get(out.index) if out.role is OutputRole.GRAD else None
         if source is not None and source.role is InputRole.PARAM:
-            node = insert_traced(graph, functools.partial(all_reduce_mean, group_name=dag.dp_group), [node],
-                                 before=node.next, like=node, decompositions=decompositions_for(strategy),
-                                 meta={COMM_NOTE: f"all_reduce grad {source.fqn}", **_once_per_step(strategy)})
+            node = _state(dag, strategy, node, [(AVG, Replicate())], dag.dp_group, before=node.next, like=node,
+                          meta={COMM_NOTE: f"all_reduce grad {source.fqn}", **_once_per_step(strategy)})
         new_outputs.append(node)
     dag.set_outputs(new_outputs)
 

@@ -15,12 +15,14 @@ single-device graph computes, with the experts shared out over the ep group:
   - An expert weight is this rank's block of experts repeated once per source
     rank (no communication); its gradient is folded back to the block (summed
     over sources) and, when the block is replicated over dp/ep groups,
-    averaged over them (once per step with several microbatches, as DDP).
+    averaged over them (`Partial(avg)` -> `Replicate()` over the replicas;
+    once per step with several microbatches, as DDP).
   - Every other tensor crossing a region's boundary, in either direction and
-    in forward and backward alike, goes through one all-to-all of dim 0's
-    ep equal blocks (`collectives.lowering.all_to_all_experts`): it moves
-    expert-major rows to rank-major (dispatch) and back (combine), and is its
-    own backward. Since the exchange is a permutation of rows, placing one on
+    in forward and backward alike, is re-sharded over the ep group: its dim
+    0's ep equal blocks go from `Shard(0)` to `Shard(1)` of the group's block
+    matrix (`collectives.redistribute`: an all-to-all, made by
+    `lower_redistributions`). That moves expert-major rows to rank-major
+    (dispatch) and back (combine), and is its own backward. Since the exchange is a permutation of rows, placing one on
     every crossing edge keeps the graph exact whichever side an untagged op
     (e.g. AOTAutograd's gradient accumulation) falls on.
 Token counts per expert may be anything: dispatch moves the model's fixed-size
@@ -32,10 +34,12 @@ import functools
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
 
 from ..capture import decompositions_for
 from ..collectives.emit import insert_traced
-from ..collectives.lowering import all_reduce_mean, all_to_all_experts, fold_expert_grad, repeat_experts
+from ..collectives.lowering import fold_expert_grad, repeat_experts
+from ..collectives.redistribute import AVG, state_redistribution
 from ..errors import PiperConfigError, PiperError
 from ..ir import InputRole, TrainingDAG
 from ..ops import COMM_NOTE, PHASE, REDUCE_EXPERT_GRAD, STEP_END, UNSHARD_EXPERTS
@@ -77,10 +81,10 @@ def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> set[fx.Node]:
             grad_nodes |= added
             if replicas is not None:
                 phase = {PHASE: STEP_END} if strategy.microbatches > 1 else {}
-                new, added = _inserted(graph, lambda: insert_traced(
-                    graph, functools.partial(all_reduce_mean, group_name=replicas), [new], before=marker,
-                    like=marker, decompositions=decompositions,
-                    meta={COMM_NOTE: "all_reduce expert grad over replicas", **phase}))
+                new, added = _inserted(graph, lambda: state_redistribution(
+                    graph, new, AVG, Replicate(), group_name=replicas, group_size=strategy.dp // strategy.ep,
+                    group_rank=strategy.dp_index // strategy.ep, global_shape=new.meta["val"].shape,
+                    before=marker, like=marker, meta={COMM_NOTE: "all_reduce expert grad over replicas", **phase}))
                 grad_nodes |= added
         marker.replace_all_uses_with(new)
         graph.erase_node(marker)
@@ -113,8 +117,8 @@ def shard_experts(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     num_experts = {i.sharded.layout.rows for i in experts.values()}
     grad_nodes = _lower_markers(dag, strategy)
     origins = _parameter_origins(dag)
-    group_name = ep_group_name(strategy)
-    exchange = functools.partial(all_to_all_experts, group_size=strategy.ep, group_name=group_name)
+    exchange = functools.partial(_exchange, group_name=ep_group_name(strategy), num_experts=num_experts,
+                                 strategy=strategy)
 
     def expert_side(node: fx.Node) -> bool:
         return node in grad_nodes or in_expert_region(node)
@@ -131,7 +135,7 @@ def shard_experts(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
             if value in grad_nodes or expert_side(value) == inside:
                 continue
             if value not in exchanged:
-                exchanged[value] = _exchange(graph, value, consumer, exchange, num_experts, inside, strategy)
+                exchanged[value] = exchange(graph, value, consumer, into_region=inside)
             consumer.replace_input_with(value, exchanged[value])
     graph.lint()
     dag.joint.recompile()
@@ -151,9 +155,10 @@ def _check_weight_read(consumer: fx.Node, origin: set[str], experts: set[str], i
             "must be inside the EP region")
 
 
-def _exchange(graph: fx.Graph, value: fx.Node, consumer: fx.Node, exchange, num_experts: set[int],
-              into_region: bool, strategy: Strategy) -> fx.Node:
-    """The all-to-all of `value` across the region's boundary, inserted right after it."""
+def _exchange(graph: fx.Graph, value: fx.Node, consumer: fx.Node, *, into_region: bool, group_name: str,
+              num_experts: set[int], strategy: Strategy) -> fx.Node:
+    """The all-to-all of `value` across the region's boundary, inserted right after it: stated as
+    the re-sharding of its blocks over the ep group (`Shard(0)` -> `Shard(1)`, `collectives.redistribute`)."""
     val = value.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() == 0 or val.shape[0] not in num_experts:
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
@@ -163,6 +168,7 @@ def _exchange(graph: fx.Graph, value: fx.Node, consumer: fx.Node, exchange, num_
             f"({sorted(num_experts)}) as dim 0, e.g. a (experts, capacity, width) buffer of dispatched tokens")
     direction = "dispatch" if into_region else "combine"
     before = value.next if value.op != "placeholder" else consumer
-    return insert_traced(graph, exchange, [value], before=before, like=value if value.op != "placeholder" else consumer,
-                         decompositions=decompositions_for(strategy),
-                         meta={COMM_NOTE: f"all_to_all {direction} {value.name}"})
+    return state_redistribution(graph, value, Shard(0), Shard(1), group_name=group_name, group_size=strategy.ep,
+                                group_rank=strategy.ep_index, global_shape=(strategy.ep, *val.shape),
+                                before=before, like=value if value.op != "placeholder" else consumer,
+                                meta={COMM_NOTE: f"all_to_all {direction} {value.name}"})

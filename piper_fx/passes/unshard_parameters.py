@@ -1,7 +1,10 @@
-"""Pass: lower `piper::unshard` markers to all-gathers placed per the ZeRO level.
+"""Pass: state where ZeRO's sharded parameters are needed whole, per the ZeRO level.
 
 Requires: the captured joint graph; markers read only PARAM_SHARD placeholders.
-Guarantees: no `piper::unshard` node remains.
+Guarantees: no `piper::unshard` node remains; each read of a sharded parameter
+goes through a `Shard(0)` -> `Replicate()` change over the dp group
+(`collectives.redistribute`; `lower_redistributions` makes it an all-gather),
+placed as follows.
   - ZeRO-1/2: one all-gather per sharded parameter at the top of the step
     (marked to run once per step, before any microbatch); its full value
     serves every forward use and is kept for the backward ("gathered once
@@ -19,13 +22,10 @@ Guarantees: no `piper::unshard` node remains.
 """
 from __future__ import annotations
 
-import functools
-
 import torch.fx as fx
+from torch.distributed.tensor import Replicate, Shard
 
-from ..capture import decompositions_for
-from ..collectives.emit import insert_traced
-from ..collectives.lowering import gather_rows
+from ..collectives.redistribute import state_redistribution
 from ..ir import TrainingDAG, forward_nodes
 from ..ops import COMM_NOTE, PHASE, STEP_START, UNIT, UNSHARD
 from ..options import Strategy
@@ -34,14 +34,12 @@ from ..sharding.units import find_units
 
 def _splice_gather(dag: TrainingDAG, strategy: Strategy, marker: fx.Node, *, before: fx.Node,
                    like: fx.Node, phase: str, meta: dict | None = None) -> fx.Node:
-    """Insert the all-gather that rebuilds `marker`'s full parameter before `before`."""
+    """State, before `before`, that `marker`'s shard is needed whole (`Shard(0)` -> `Replicate()`: an all-gather)."""
     shard, full_shape, group_name = marker.args
-    gather = functools.partial(gather_rows, full_shape=list(full_shape), group_size=strategy.dp,
-                               group_name=group_name)
     fqn = dag.input_by_name()[shard.name].fqn
-    return insert_traced(dag.joint.graph, gather, [shard], before=before, like=like,
-                         decompositions=decompositions_for(strategy),
-                         meta={COMM_NOTE: f"all_gather {fqn} ({phase})", **(meta or {})})
+    return state_redistribution(dag.joint.graph, shard, Shard(0), Replicate(), group_name=group_name,
+                                group_size=strategy.dp, group_rank=strategy.dp_index, global_shape=full_shape,
+                                before=before, like=like, meta={COMM_NOTE: f"all_gather {fqn} ({phase})", **(meta or {})})
 
 
 def _gather_once_per_step(dag: TrainingDAG, strategy: Strategy, markers: list[fx.Node]) -> None:
