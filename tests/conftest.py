@@ -14,11 +14,9 @@ os.environ.setdefault("PIPER_VERIFY", "1")
 
 @pytest.fixture(scope="session")
 def rank_pools():
-    """`rank_pools(world)`: a pool of rank processes of that world size, started once and
-    reused by every test that trains many cases (`rank_pool.RankPool`)."""
-    from rank_pool import RankPool
+    """`rank_pools(world)`: the session's pool of rank processes of that world size
+    (`rank_pool.RankPool`, shared with `ranks.run_ranks`), for tests that train many cases."""
+    import ranks
 
-    started: dict = {}
-    yield lambda world: started.setdefault(world, RankPool(world))
-    for pool in started.values():
-        pool.close()
+    yield ranks.pool
+    ranks.close_pools()

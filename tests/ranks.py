@@ -5,6 +5,7 @@ rank stuck in a collective never outlives the test.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import queue
@@ -81,9 +82,44 @@ def _spawned(fn, world_size, args, deadline_s, collective_timeout_s) -> Iterator
                     p.join()
 
 
-def run_ranks(fn, world_size: int, *args, deadline_s: float = 240, collective_timeout_s: float = 60):
-    """fn(rank, world_size, *args) on each rank; return values by rank. The first failing rank raises."""
+# The session's rank processes, one pool per world size (`rank_pool.RankPool`).
+_POOLS: dict = {}
+
+
+def pool(world_size: int):
+    """The session's pool of `world_size` rank processes, started on first use."""
+    from rank_pool import RankPool
+
+    if not _POOLS:
+        atexit.register(close_pools)
+    return _POOLS.setdefault(world_size, RankPool(world_size))
+
+
+def close_pools() -> None:
+    for started in _POOLS.values():
+        started.close()
+    _POOLS.clear()
+
+
+def run_ranks(fn, world_size: int, *args, deadline_s: float = 240, collective_timeout_s: float | None = None,
+              fresh: bool = False):
+    """fn(rank, world_size, *args) on each rank; return values by rank. A failing rank raises.
+
+    By default it runs on the session's pool of `world_size` ranks: starting
+    ranks (a process each, importing torch, the rendezvous) costs 5-10 s on
+    this machine, more than most runs. With `fresh=True` or a
+    `collective_timeout_s` it starts processes for this run alone: for a run
+    that must begin in new processes (resuming a checkpoint), or that needs its
+    own timeout.
+    """
+    if not fresh and collective_timeout_s is None:
+        outcomes = pool(world_size).run(fn, *args, deadline_s=deadline_s)
+        for rank, outcome in enumerate(outcomes):
+            if "error" in outcome:
+                raise RankFailed(rank, outcome["error"])
+        return [outcome["value"] for outcome in outcomes]
     values: dict[int, object] = {}
+    collective_timeout_s = 60 if collective_timeout_s is None else collective_timeout_s
     with _spawned(fn, world_size, args, deadline_s, collective_timeout_s) as next_result:
         while len(values) < world_size:
             rank, status, value = next_result(set(range(world_size)) - set(values))

@@ -39,7 +39,7 @@ def saved(root):
 
 @pytest.fixture(scope="module")
 def resumed(root, saved):
-    return run_ranks(resume_worker, 2, root)
+    return run_ranks(resume_worker, 2, root, fresh=True)  # new processes: nothing carried over
 
 
 @pytest.fixture(scope="module")
