@@ -73,3 +73,7 @@ STEP_START, STEP_END = "step_start", "step_end"
 UNIT = "piper_unit"
 # What a collective moves, in words, for the dumps (`all_gather blocks.0.attn.qkv.weight (forward)`).
 COMM_NOTE = "piper_comm"
+# The placement over dp a lowered placement change leaves its result in (`lower_redistributions`),
+# which `propagate_placements` takes as stated: each rank's rows of a replicated value are `Shard(0)`,
+# though the slice that takes them looks replicated to DTensor's rules.
+PLACED = "piper_placed"

@@ -71,6 +71,8 @@ def test_a_change_with_no_collective_is_an_error_naming_it():
         def __init__(self, gm):
             self.joint = gm
 
+        dp_group = "0"
+
         def refresh_output_names(self):
             pass
 

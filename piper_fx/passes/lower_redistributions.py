@@ -7,7 +7,9 @@ themselves.
 Guarantees: no marker remains; each was replaced, in place, by the code of its
 row in `collectives.redistribute.LOWERINGS` (an all-gather, reduce-scatter,
 all-reduce or all-to-all of functional collectives, or a local slice),
-carrying the marker's annotations and notes (phase, unit, what it moves). A
+carrying the marker's annotations and notes (phase, unit, what it moves); a
+change over the dp group leaves its target placement on its result (`ops.PLACED`),
+for `propagate_placements`. A
 change with no row is a `PiperError` naming the marker and the change. So
 which collective runs, and over which group, follows from the placements alone.
 """
@@ -18,7 +20,7 @@ from ..collectives.emit import insert_traced
 from ..collectives.redistribute import Redistribution, is_redistribution, lowering_of
 from ..errors import PiperError
 from ..ir import TrainingDAG
-from ..ops import COMM_NOTE, PHASE, UNIT
+from ..ops import COMM_NOTE, PHASE, PLACED, UNIT
 from ..options import Strategy
 
 
@@ -40,6 +42,8 @@ def lower_redistributions(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
         notes = {key: marker.meta[key] for key in (COMM_NOTE, PHASE, UNIT) if key in marker.meta}
         lowered = insert_traced(graph, lowering.code(change), [marker.args[0]], before=marker, like=marker,
                                 meta=notes, decompositions=decompositions)
+        if change.group_name == dag.dp_group:  # the placements the dumps show are over dp
+            lowered.meta[PLACED] = change.dst
         marker.replace_all_uses_with(lowered)
         graph.erase_node(marker)
     graph.lint()

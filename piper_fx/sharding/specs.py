@@ -1,42 +1,101 @@
 """DTensor-style placement specs on every FX node (`node.meta["piper_spec"]`).
 
-Placements over the data-parallel mesh dimension are propagated with DTensor's
-own sharding propagator (the rules `DTensor` dispatch uses), on a planning
-mesh that needs no process group. Seeds: a replica's batch is `Shard(0)`,
-parameters are `Replicate()` (or `Shard(0)` when stored as row shards),
-the loss seed gradient is `Replicate()`. Our own ops (the ZeRO markers and
-functional collectives) have their rules here, since their placement change
-*is* their meaning.
+A placement says, as DTensor's do, how the value each rank computes relates to
+one value over the data-parallel ("dp") mesh dimension: `Shard(0)` (this
+rank's rows of it), `Replicate()` (all of it, on every rank), `Partial(op)`
+(a part that the ranks' parts reduce to it). Seeds: a replica's batch is
+`Shard(0)`, parameters are `Replicate()` (or `Shard(0)` when stored as row
+shards), the loss seed gradient and any other input `Replicate()`.
+
+The guarantee: `propagate` gives every placeholder, constant and call a
+decided placement (`is_decided`: a `Placement` for a tensor, a tuple for an
+op with several results, None for what is no tensor), or raises a
+`PiperError` naming the node, its op and its inputs' placements. Nothing is
+guessed. A call's placement comes from the first of these that applies:
+
+1. Our own ops, whose placement change *is* their meaning (`_own_op_spec`):
+   the ZeRO markers, the functional collectives and their waits (the expert
+   all-to-all keeps its input's placement: `_EXCHANGE`), and `getitem` of a
+   multi-result op.
+2. An op with no tensor result: None.
+3. Values drawn from the RNG input (`random_values_rule`): `Shard(0)` when
+   batch-major, else `Replicate()`.
+4. An op whose tensor inputs are all `Replicate()`: `Replicate()` (every rank
+   computes the same function of the same values; random ops are no longer in
+   the graph, `passes.functionalize_random` made them functions of the RNG
+   input, which 3 covers). Graph constants (`get_attr`) are `Replicate()`.
+5. piper_fx's rules for ops DTensor has no rule for, or none that fits
+   (`_RULES`): attention kernels that compute each batch row from that row
+   alone, and scatter-adds whose every rank adds its own rows (the embedding
+   backward as Inductor decomposes it). Each rule holds only for the input
+   placements it names; for others the op goes on to 6.
+6. DTensor's own sharding propagator (the rules DTensor's dispatch uses),
+   given the op's registered schema info as DTensor's dispatch gives it, and
+   the global shapes (a sharded dimension this rank's times the ranks; a
+   shape argument, e.g. a view's, each global shape of the result in turn):
+   its answer must fit this rank's shapes. Where no global shape fits (a
+   replicated tensor of this rank's batch size, such as its row numbers,
+   meeting a sharded one), it is given this rank's shapes as the global ones.
+   Where the rule it picks reads an input otherwise placed than it is (e.g. a
+   replicated tensor as this rank's rows, or a partial sum, such as the
+   loss's normaliser, as its total), the graph computes with the input as it
+   is: the placement holds as far as that reading does. Such readings are
+   kept in `meta["piper_spec_reads"]` and shown in the placement table,
+   except where they change nothing (`_holds_as`: an empty tensor, or a
+   factory's tensor of one repeated value, which is its own row shard and
+   its own average).
+An op none of these decides (DTensor has no rule, or fails on it) is an error.
+
+The propagator runs on a planning mesh that needs no process group
+(`planning_mesh`), of the device type of the graph's values.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+from torch.utils._pytree import tree_flatten
 
 from ..compat import DTensorSpec, OpSchema, TensorMeta
-from ..ops import REDUCE_GRAD, UNSHARD, WAIT
+from ..errors import PiperError
+from ..ops import PLACED, REDUCE_GRAD, UNSHARD, WAIT
 from .mesh import process_group_device_type
 
 SPEC_KEY = "piper_spec"
-UNKNOWN = "?"
+# Where DTensor's rule for an op reads an input otherwise placed than it is:
+# ((input name, the placement the rule reads it as), ...).
+READS_KEY = "piper_spec_reads"
 
+aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 _FIXED: dict[Any, Placement] = {
     _c10d.all_gather_into_tensor.default: Replicate(),
     _c10d.reduce_scatter_tensor.default: Shard(0),
     _c10d.all_reduce.default: Replicate(),
+    UNSHARD: Replicate(),
+    REDUCE_GRAD: Shard(0),
 }
+# The all-to-all of expert parallelism (`passes.shard_experts`), over the ep group, moves
+# rows between the layouts outside and inside an EP region, and the pass keeps the region,
+# exchanges included, equal to the replica's own computation of it. Its result keeps its
+# input's placement over dp, so the region is placed as in the replica's own program (the
+# exchanged layout, a permutation of rows among the ep ranks, has no placement over dp).
+_EXCHANGE = _c10d.all_to_all_single.default
 
 
 def planning_mesh(dp: int, device_type: str | None = None) -> DeviceMesh:
-    """A ("dp",) mesh for propagation only: no process group is touched. By default
-    for the device type the process group communicates on, as the real mesh."""
+    """A ("dp",) mesh for propagation only: no process group is touched. Its device type
+    is the one DTensor's propagator makes its fake tensors on, so a device's own kernels
+    meet their device: by default the one the process group communicates on, as the real
+    mesh's (`mesh.process_group_device_type`); `passes.propagate_placements` gives the
+    device type of the graph's values."""
     return DeviceMesh(device_type or process_group_device_type(), list(range(dp)), mesh_dim_names=("dp",),
                       _init_backend=False, _rank=0)
 
@@ -51,15 +110,150 @@ def format_spec(spec: Any) -> str:
     return str(spec)
 
 
-def _tensor_meta(val: torch.Tensor) -> TensorMeta:
-    return TensorMeta(val.shape, val.stride(), val.dtype)
+def is_decided(spec: Any, val: Any) -> bool:
+    """Whether `spec` places `val` completely: a `Placement` for a tensor, a tuple of
+    specs for a tuple or list of values, None for anything else."""
+    if isinstance(val, torch.Tensor):
+        return isinstance(spec, Placement)
+    if isinstance(val, (tuple, list)):
+        return isinstance(spec, tuple) and len(spec) == len(val) and all(map(is_decided, spec, val))
+    return spec is None
 
 
-def _as_dtensor_spec(mesh: DeviceMesh, node: fx.Node) -> Any:
-    spec, val = node.meta.get(SPEC_KEY), node.meta.get("val")
+def _tensors(val: Any) -> list[torch.Tensor]:
+    return [v for v in tree_flatten(val)[0] if isinstance(v, torch.Tensor)]
+
+
+def _alike(val: Any, placement: Placement) -> Any:
+    """`placement` for every tensor of `val`, None for what is no tensor."""
+    if isinstance(val, torch.Tensor):
+        return placement
+    if isinstance(val, (tuple, list)):
+        return tuple(_alike(v, placement) for v in val)
+    return None
+
+
+def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    return [a for a in node.all_input_nodes if _tensors(a.meta.get("val"))]
+
+
+# ---- piper_fx's rules for ops DTensor has no rule for, or none that fits. Each gets the
+# node and its tensor inputs with their placements, and returns the node's spec, or raises
+# `_NoRule` saying why when the placements are not those it holds for.
+
+class _NoRule(Exception):
+    pass
+
+
+class _DTensorFailed(_NoRule):
+    """DTensor's propagator raised on the op (it has a rule, but not for these inputs)."""
+
+
+def _batch_rows(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """For an op that computes row b of each result (dim 0: the batch) from row b of each
+    input alone: with every input `Shard(0)` (or `Replicate()` with dim 0 of size 1, which
+    every row reads alike, e.g. an attention mask), every result is `Shard(0)`, and the
+    rows of the batch are those of the inputs."""
+    sharded = [a for a, s in inputs if s == Shard(0)]
+    if not sharded:
+        raise _NoRule("it computes each batch row from that row alone, but no input is Shard(0)")
+    rows = sharded[0].meta["val"].shape[0]
+    for a, s in inputs:
+        val = a.meta["val"]
+        if not (s == Shard(0) and val.shape[0] == rows
+                or isinstance(s, Replicate) and val.dim() >= 1 and val.shape[0] == 1):
+            raise _NoRule(f"it computes each batch row from that row alone, so it needs every input Shard(0) "
+                          f"with the batch's {rows} rows (or Replicate() with 1 row), not {a.name}: "
+                          f"{format_spec(s)} with {tuple(val.shape)}")
+    if not all(o.dim() >= 1 and o.shape[0] == rows for o in _tensors(node.meta.get("val"))):
+        raise _NoRule(f"a result of it does not have the batch's {rows} rows")
+    return _alike(node.meta.get("val"), Shard(0))
+
+
+_ZERO_FACTORIES = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
+_FILL_ARGUMENT = {aten.full.default: 1, aten.new_full.default: 2, aten.full_like.default: 1}
+
+
+def _fill_value(node: fx.Node) -> Any:
+    """The value every element of `node` holds, if a factory made it so; else None."""
+    if node.target in _ZERO_FACTORIES:
+        return 0
+    index = _FILL_ARGUMENT.get(node.target)
+    if index is not None and len(node.args) > index and isinstance(node.args[index], (int, float, bool)):
+        return node.args[index]
+    return None
+
+
+def _scatter_add(destination: fx.Node, keys: list[fx.Node], values: fx.Node) -> Placement:
+    """out = destination + the rows of `values` summed into place at the indices (`keys`:
+    the index tensors and any mask; a masked-out row adds nothing). The sum over ranks of
+    the outputs is the single-device output when the destination counts once in it (zeros,
+    or a `Partial(sum)`), and what each rank adds is either its rows of the values (keys and
+    values `Shard(0)` along the same rows) or its part of them (keys `Replicate()`, values
+    `Partial(sum)`): the output is `Partial(sum)`."""
+    spec = lambda n: n.meta.get(SPEC_KEY)  # noqa: E731
+    if not (_fill_value(destination) == 0 or spec(destination) == Partial("sum")):
+        raise _NoRule(f"it sums rows into {destination.name}, which is neither zeros nor Partial(sum)")
+    own_rows = (all(spec(n) == Shard(0) for n in keys + [values])
+                and len({n.meta["val"].shape[0] for n in keys + [values]}) == 1)
+    own_part = all(isinstance(spec(n), Replicate) for n in keys) and spec(values) == Partial("sum")
+    if not (own_rows or own_part):
+        raise _NoRule("it sums rows into place, so it needs the indices (and mask) and values all Shard(0), "
+                      "or the indices Replicate() and the values Partial(sum)")
+    return Partial("sum")
+
+
+def _masked_index_put_accumulate(node: fx.Node, inputs) -> Placement:
+    destination, mask, indices, values = node.args[:4]
+    return _scatter_add(destination, [mask] + [i for i in indices if isinstance(i, fx.Node)], values)
+
+
+def _index_put(node: fx.Node, inputs) -> Placement:
+    destination, indices, values = node.args[:3]
+    if not (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)):
+        raise _NoRule("it writes rows in place without summing them")
+    return _scatter_add(destination, [i for i in indices if isinstance(i, fx.Node)], values)
+
+
+_RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], Any]] = {
+    # CPU flash attention (DTensor has rules for the CUDA kernels, not these): batch row b
+    # of the output (and log-sum-exp), and of the gradients, reads row b of q, k, v alone.
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _batch_rows,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _batch_rows,
+    # The embedding backward as Inductor decomposes it: a scatter-add into zeros.
+    aten._unsafe_masked_index_put_accumulate.default: _masked_index_put_accumulate,
+    # DTensor's index_put rule needs the indices replicated; a scatter-add of each rank's
+    # rows (e.g. the backward of indexing the batch's rows) is a partial sum.
+    aten.index_put.default: _index_put,
+}
+
+
+# ---- DTensor's sharding propagator.
+
+def _sharded_dim(placement: Any) -> int | None:
+    """The tensor dimension `placement` shards, if it shards one."""
+    dim = getattr(placement, "dim", None)  # Shard's and _StridedShard's
+    return dim if isinstance(dim, int) else None
+
+
+def _meta(val: torch.Tensor, placement: Placement, ranks: int | None) -> TensorMeta:
+    """`val`'s metadata; with `ranks`, the global tensor's: its sharded dimension `ranks`
+    times this rank's, strides in the same order."""
+    shape, dim = list(val.shape), _sharded_dim(placement)
+    if ranks is None or dim is None:
+        return TensorMeta(val.shape, val.stride(), val.dtype)
+    shape[dim] *= ranks
+    stride, step = [0] * len(shape), 1
+    for d in sorted(range(len(shape)), key=lambda d: (val.stride(d), d)):  # innermost first
+        stride[d], step = step, step * shape[d]
+    return TensorMeta(torch.Size(shape), tuple(stride), val.dtype)
+
+
+def _as_dtensor_spec(mesh: DeviceMesh, node: fx.Node, placed: dict[fx.Node, Placement], ranks: int | None) -> Any:
+    spec, val = placed.get(node, node.meta.get(SPEC_KEY)), node.meta.get("val")
     if isinstance(spec, Placement) and isinstance(val, torch.Tensor):
-        return DTensorSpec(mesh, (spec,), tensor_meta=_tensor_meta(val))
-    raise LookupError(node.name)
+        return DTensorSpec(mesh, (spec,), tensor_meta=_meta(val, spec, ranks))
+    return val  # a value that is no tensor (a SymInt, a scalar) is an argument as it is
 
 
 def _from_output_spec(out: Any) -> Any:
@@ -70,66 +264,310 @@ def _from_output_spec(out: Any) -> Any:
     return None
 
 
-def _propagate_with_dtensor(mesh: DeviceMesh, node: fx.Node) -> Any:
-    args = fx.node.map_arg(node.args, lambda n: _as_dtensor_spec(mesh, n))
-    kwargs = fx.node.map_arg(node.kwargs, lambda n: _as_dtensor_spec(mesh, n))
-    schema = OpSchema(node.target, args, kwargs)
-    result = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding(schema)
-    return _from_output_spec(result.output_spec)
+def _argument_nodes(node: fx.Node, info: Any) -> list[fx.Node]:
+    """The tensor arguments of `node`, in the order of DTensor's `OpSchema.args_spec`."""
+    args = tree_flatten(node.args)[0] if info is not None and info.needs_pytree else node.args
+    return [a for a in args if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
 
 
-def _input_specs(node: fx.Node) -> list[Any]:
-    return [a.meta.get(SPEC_KEY) for a in node.all_input_nodes]
+def _cache_key(mesh: DeviceMesh, schema: OpSchema) -> Any:
+    def key(leaf):
+        if isinstance(leaf, DTensorSpec):
+            meta = leaf.tensor_meta
+            return "spec", leaf.placements, tuple(meta.shape), tuple(meta.stride), meta.dtype
+        return leaf
+    leaves, structure = tree_flatten((schema.args_schema, schema.kwargs_schema))
+    return mesh.device_type, mesh.size(), schema.op, tuple(map(key, leaves)), str(structure)
 
 
-def infer_spec(mesh: DeviceMesh, node: fx.Node) -> Any:
-    """The placement of `node`'s value from its inputs' placements."""
+def _holds_as(node: fx.Node, placement: Placement) -> bool:
+    """Whether `node`'s value, as every rank holds it, is also placed `placement`: true of
+    a tensor with no elements, and of a factory's replicated tensor of one repeated value,
+    which is its own row shard and the average, maximum and minimum of the ranks' copies
+    (and, if zeros, their sum)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.numel() == 0:
+        return True
+    fill = _fill_value(node)
+    if fill is None or not isinstance(node.meta.get(SPEC_KEY), Replicate):
+        return False
+    if isinstance(placement, Shard):
+        return True
+    if isinstance(placement, Partial):
+        return placement.reduce_op in ("avg", "max", "min") or (placement.reduce_op == "sum" and fill == 0)
+    return False
+
+
+# DTensor's answers (or its exception), by every argument: DTensor's own cache keys only
+# the non-tensor arguments an op's schema info names.
+_ANSWERS: dict[Any, Any] = {}
+
+
+def _ask_dtensor(mesh: DeviceMesh, node: fx.Node, placed: dict[fx.Node, Placement], global_shapes: bool = False,
+                 shape: list[int] | None = None) -> tuple[Any, list]:
+    """DTensor's placement of `node`'s value from its inputs' placements (those in `placed`
+    instead of their own), and the inputs its rule reads otherwise placed, with the
+    placement it reads each as, but for those that hold as it anyway. DTensor is given
+    this rank's shapes as the global ones; with `global_shapes`, the global shapes instead
+    (and `shape` as the op's shape argument, if it has one), and its answer must fit this
+    rank's shapes."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    # The op's schema info, as DTensor's own dispatch passes it: which arguments are lists
+    # to flatten, and which non-tensor arguments the sharding depends on.
+    info = (propagator.op_to_schema_info.get(node.target)
+            or propagator.op_to_schema_info_for_single_dim_strategy.get(node.target))
+    ranks = mesh.size() if global_shapes else None
+    as_spec = lambda n: _as_dtensor_spec(mesh, n, placed, ranks)  # noqa: E731
+    args = list(node.args)
+    index = _shape_argument(node)
+    if shape is not None and index is not None:
+        args[index] = shape
+    schema = OpSchema(node.target, fx.node.map_arg(tuple(args), as_spec), fx.node.map_arg(node.kwargs, as_spec),
+                      schema_info=info)
+    try:
+        key = _cache_key(mesh, schema)
+        hash(key)
+    except TypeError:  # an unhashable argument: not cached
+        key = None
+    if key is None or key not in _ANSWERS:
+        try:
+            with _quiet_meta_failures():
+                result = propagator.propagate_op_sharding_non_cached(schema)
+            answer = result.output_spec, result.redistribute_schema
+        except Exception as e:  # noqa: BLE001 - DTensor's reason, whatever it is, goes into the error
+            answer = e
+        if key is not None:
+            if len(_ANSWERS) > 100_000:
+                _ANSWERS.clear()
+            _ANSWERS[key] = answer
+    else:
+        answer = _ANSWERS[key]
+    if isinstance(answer, NotImplementedError):
+        raise _NoRule("DTensor's sharding propagator has no rule for this op")
+    if isinstance(answer, Exception):
+        first_line = (str(answer).strip().splitlines() or [""])[0][:200]
+        raise _DTensorFailed(f"DTensor's sharding propagator failed on it ({type(answer).__name__}: {first_line})")
+    output_spec, redistribute = answer
+    if ranks is not None and not _fits(output_spec, node.meta.get("val"), ranks):
+        raise _DTensorFailed(f"DTensor's placement {format_spec(_from_output_spec(output_spec))} of the "
+                             f"global value does not fit this rank's")
+    reads = []
+    if redistribute is not None:
+        for a, given, read in zip(_argument_nodes(node, info), schema.args_spec, redistribute.args_spec):
+            if given.placements != read.placements and not _holds_as(a, read.placements[0]):
+                reads.append((a, read.placements[0]))
+    return _from_output_spec(output_spec), reads
+
+
+class _MetaFailure(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed while attempting to run meta")
+
+
+@contextlib.contextmanager
+def _quiet_meta_failures():
+    """Without fake tensors' log of an op that failed on them: DTensor's propagator runs the
+    op on fake tensors of the shapes it is given, and a failure there is an answer here (a
+    global shape that does not fit), not an error to report."""
+    logger, quiet = logging.getLogger("torch._subclasses.fake_tensor"), _MetaFailure()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def _shape_argument(node: fx.Node) -> int | None:
+    """The index of the argument of `node`'s op that is the shape of its result (a view's,
+    a factory's), which DTensor reads as the global shape; None if it has none."""
+    index = DTensor._op_dispatcher.sharding_propagator.op_to_shape_and_stride_idx.get(node.target)
+    return index[0] if isinstance(index, tuple) else index
+
+
+def _fits(output_spec: Any, val: Any, ranks: int) -> bool:
+    """Whether DTensor's global output spec is of values of this rank's shapes."""
+    if isinstance(output_spec, (tuple, list)) and isinstance(val, (tuple, list)):
+        return len(output_spec) == len(val) and all(_fits(o, v, ranks) for o, v in zip(output_spec, val))
+    if not isinstance(output_spec, DTensorSpec) or not isinstance(val, torch.Tensor):
+        return output_spec is None and not isinstance(val, torch.Tensor)
+    shape = list(output_spec.tensor_meta.shape)
+    dim = _sharded_dim(output_spec.placements[0])
+    if dim is not None:
+        if shape[dim] % ranks:
+            return False
+        shape[dim] //= ranks
+    return shape == list(val.shape)
+
+
+def _global_attempts(node: fx.Node, ranks: int) -> list[list[int] | None]:
+    """The global shapes of `node`'s result to give DTensor as its op's shape argument, most
+    likely first (None for an op with none): the one whose sharded dimension is that of its
+    first sharded input (a view keeps the batch where it was), then any other, then none."""
+    val = node.meta.get("val")
+    if _shape_argument(node) is None or not isinstance(val, torch.Tensor):
+        return [None]
+    first = next((d for a in _tensor_inputs(node) if (d := _sharded_dim(a.meta.get(SPEC_KEY))) is not None), None)
+    if first is None:
+        return [list(val.shape)]
+    dims = sorted(range(val.dim()), key=lambda e: e != first)
+    return [[n * ranks if d == e else n for d, n in enumerate(val.shape)] for e in dims] + [list(val.shape)]
+
+
+def _dtensor_answer(mesh: DeviceMesh, node: fx.Node) -> tuple[Any, list[tuple[fx.Node, Placement]]]:
+    """DTensor's placement of `node`'s value and the inputs its rule reads otherwise placed
+    (`_ask_dtensor`). Raises `_NoRule` if DTensor has no rule or fails on the op.
+
+    DTensor is given the global shapes (a sharded dimension is this rank's times the number
+    of ranks, whose checks, e.g. that a view folds no sharded dimension of one row, are of
+    the batch, not of this rank's rows), and for an op with a shape argument each global
+    shape of its result in turn (`_global_attempts`), until its answer fits this rank's
+    shapes. (With one row per rank, a view cannot tell the batch's dimension from a new one
+    of size 1: it is taken to stay where it was.) Where it fails on all of them, e.g. on a
+    replicated tensor of this rank's batch size (such as its row numbers) meeting a sharded
+    one, it is given this rank's shapes as the global ones.
+
+    Where its rule reads an input otherwise placed and some inputs are a factory's tensors
+    of one repeated value, which hold as any `Shard` too (`_holds_as`), it is asked again
+    with those placed as each other input is, and an answer that reads none is taken:
+    DTensor's rules often follow the first input (e.g. in Inductor's slice backward, a
+    scatter into zeros)."""
+    attempts = [(True, shape) for shape in _global_attempts(node, mesh.size())] + [(False, None)]
+    failure = None
+    for global_shapes, shape in attempts:
+        try:
+            output, reads = _ask_dtensor(mesh, node, {}, global_shapes, shape)
+        except _DTensorFailed as e:
+            failure = failure or e
+            continue
+        break
+    else:
+        raise failure
+    if reads:
+        inputs = _tensor_inputs(node)
+        fills = [a for a in inputs if _holds_as(a, Shard(0))]
+        for placement in dict.fromkeys(a.meta[SPEC_KEY] for a in inputs if a not in fills):
+            if isinstance(placement, Shard):
+                try:
+                    again, again_reads = _ask_dtensor(mesh, node, dict.fromkeys(fills, placement), global_shapes, shape)
+                except _NoRule:
+                    continue
+                if not again_reads:
+                    return again, again_reads
+    return output, reads
+
+
+# ---- Values drawn from the RNG input.
+
+def random_values_rule(rng_inputs: set[fx.Node], samples: int) -> Callable[[fx.Node], Any]:
+    """The placement of the values drawn from `rng_inputs` (`InputRole.RNG`, made by
+    `passes.functionalize_random`): a node computed from them, or from such nodes, and
+    from nothing else but replicated values; None for any other node. Element i of
+    sample s of a random tensor is Philox-4x32 of (global element index, op, step), the
+    key the same on every rank: batch-major values (dim 0 a multiple of the microbatch's
+    `samples`, as the pass decides) are this rank's rows of the single-device ones,
+    `Shard(0)`, and others are drawn alike on every rank, `Replicate()`. (The RNG input is
+    `Replicate()`, though one of its words is this rank's first sample: that word is what
+    makes its draws this rank's rows. The 0-d words read from it are shown `Replicate()`.)"""
+    drawn: set[fx.Node] = set(rng_inputs)
+
+    def placement(val: torch.Tensor) -> Placement:
+        return Shard(0) if val.dim() >= 1 and val.shape[0] % samples == 0 else Replicate()
+
+    def rule(node: fx.Node) -> Any:
+        inputs = _tensor_inputs(node)
+        if not any(a in drawn for a in inputs):
+            return None
+        if not all(a in drawn or isinstance(a.meta.get(SPEC_KEY), Replicate) for a in inputs):
+            return None
+        drawn.add(node)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return placement(val)
+        return tuple(placement(v) if isinstance(v, torch.Tensor) else None for v in val)
+    return rule
+
+
+# ---- Propagation.
+
+def _own_op_spec(node: fx.Node) -> tuple[bool, Any]:
+    """(True, spec) for the ops whose placement is fixed by what they are, else (False, None)."""
+    if PLACED in node.meta:
+        return True, node.meta[PLACED]
     if node.target in _FIXED:
-        return _FIXED[node.target]
-    if node.target is WAIT:
-        return node.args[0].meta.get(SPEC_KEY)
-    if node.target is UNSHARD:
-        return Replicate()
-    if node.target is REDUCE_GRAD:
-        return Shard(0)
+        return True, _FIXED[node.target]
+    if node.target is WAIT or node.target is _EXCHANGE:
+        return True, node.args[0].meta.get(SPEC_KEY)
     if node.target is operator.getitem:
         parent = node.args[0].meta.get(SPEC_KEY)
-        return parent[node.args[1]] if isinstance(parent, tuple) else parent
-    inputs = _input_specs(node)
-    if all(isinstance(s, Replicate) for s in inputs):
-        return Replicate()
-    try:
-        return _propagate_with_dtensor(mesh, node)
-    except Exception:
-        return _batch_preserving_fallback(node, inputs)
+        return True, parent[node.args[1]] if isinstance(parent, tuple) else parent
+    return False, None
 
 
-def _batch_preserving_fallback(node: fx.Node, inputs: list[Any]) -> Any:
-    """For ops DTensor has no rule for (e.g. CPU flash attention): an op whose
-    sharded inputs are all batch-sharded and whose outputs all keep that batch
-    size as dim 0 acts row by row, so its outputs are `Shard(0)` too. Anything
-    else is shown as unknown in the dumps rather than guessed."""
-    sharded = [(a, s) for a, s in zip(node.all_input_nodes, inputs) if not isinstance(s, Replicate)]
-    if not sharded or any(s != Shard(0) for _, s in sharded):
-        return UNKNOWN
-    batch = sharded[0][0].meta["val"].shape[0]
+def _undecided(node: fx.Node, why: str) -> PiperError:
+    inputs = ", ".join(f"{a.name}: {format_spec(a.meta.get(SPEC_KEY))}" for a in node.all_input_nodes)
+    rules = ", ".join(sorted(str(op) for op in _RULES))
+    return PiperError(
+        f"piper_fx cannot place node {node.name} = {node.target}({inputs}): {why}. Placements come only from "
+        f"DTensor's sharding propagator and from piper_fx's own rules (piper_fx/sharding/specs.py: its "
+        f"collectives and markers, replicated inputs, random values, and {rules}). Please report this op "
+        f"with your model to piper_fx, or add a rule for it there")
+
+
+def infer_spec(mesh: DeviceMesh, node: fx.Node, random_values: Callable[[fx.Node], Any] | None = None
+               ) -> tuple[Any, list[tuple[fx.Node, Placement]]]:
+    """The placement of the call `node`'s value from its inputs' placements (module
+    docstring), and the inputs DTensor's rule for it reads otherwise placed (`READS_KEY`).
+    A `PiperError` if none can be decided. `random_values` is a `random_values_rule`."""
+    own, spec = _own_op_spec(node)
+    if own:
+        return spec, []
     val = node.meta.get("val")
-    outs = val if isinstance(val, (tuple, list)) else (val,)
-    if all(isinstance(o, torch.Tensor) and o.dim() >= 1 and o.shape[0] == batch for o in outs):
-        return tuple(Shard(0) for _ in outs) if isinstance(val, (tuple, list)) else Shard(0)
-    return UNKNOWN
+    if not _tensors(val):
+        return _alike(val, Replicate()), []  # None for an op with no tensor result (e.g. an assertion)
+    inputs = [(a, a.meta.get(SPEC_KEY)) for a in _tensor_inputs(node)]
+    for a, s in inputs:
+        if not is_decided(s, a.meta.get("val")):
+            raise _undecided(node, f"its input {a.name} has no placement")
+    if random_values is not None and (drawn := random_values(node)) is not None:
+        return drawn, []
+    if all(isinstance(s, Replicate) for _, s in inputs):
+        return _alike(val, Replicate()), []
+    why = []
+    if node.target in _RULES:
+        try:
+            return _RULES[node.target](node, inputs), []
+        except _NoRule as e:
+            why.append(f"piper_fx's rule does not hold: {e}")
+    try:
+        spec, reads = _dtensor_answer(mesh, node)
+    except _NoRule as e:
+        why.append(str(e))
+    else:
+        if is_decided(spec, val):
+            return spec, reads
+        why.append(f"DTensor's sharding propagator placed it {format_spec(spec)}")
+    raise _undecided(node, "; ".join(why))
 
 
-def propagate(graph: fx.Graph, seeds: dict[str, Placement], mesh: DeviceMesh) -> None:
-    """Set `meta["piper_spec"]` on every node; placeholders take theirs from `seeds`."""
+def propagate(graph: fx.Graph, seeds: dict[str, Placement], mesh: DeviceMesh,
+              random_values: Callable[[fx.Node], Any] | None = None) -> None:
+    """Set `meta["piper_spec"]` on every placeholder (from `seeds`), constant and call
+    (module docstring), and `meta["piper_spec_reads"]` where DTensor's rule read an input
+    otherwise placed. Raises `PiperError` for a node whose placement cannot be decided."""
     for node in graph.nodes:
+        node.meta.pop(READS_KEY, None)
         if node.op == "placeholder":
             node.meta[SPEC_KEY] = seeds[node.name]
+        elif node.op == "get_attr":  # a constant of the graph: the same on every rank
+            node.meta[SPEC_KEY] = _alike(node.meta.get("val"), Replicate())
         elif node.op == "call_function":
-            node.meta[SPEC_KEY] = infer_spec(mesh, node)
+            node.meta[SPEC_KEY], reads = infer_spec(mesh, node, random_values)
+            if reads:
+                node.meta[READS_KEY] = tuple((a.name, p) for a, p in reads)
 
 
 def placement_table(graph: fx.Graph) -> str:
+    """Every node's placement, with what DTensor's rule read an input as, where it did."""
     rows = [f"{'node':<40} {'op':<44} {'shape':<22} spec"]
     for node in graph.nodes:
         if node.op == "output":
@@ -137,5 +575,6 @@ def placement_table(graph: fx.Graph) -> str:
         val = node.meta.get("val")
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else "-"
         op = str(node.target) if node.op == "call_function" else node.op
-        rows.append(f"{node.name:<40} {op[:44]:<44} {str(shape):<22} {format_spec(node.meta.get(SPEC_KEY))}")
+        reads = "".join(f"  (reads {name} as {format_spec(p)})" for name, p in node.meta.get(READS_KEY, ()))
+        rows.append(f"{node.name:<40} {op[:44]:<44} {str(shape):<22} {format_spec(node.meta.get(SPEC_KEY))}{reads}")
     return "\n".join(rows) + "\n"

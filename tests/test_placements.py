@@ -1,0 +1,286 @@
+"""Placements (`passes.propagate_placements`, `sharding.specs`): every node of the joint graph
+gets a decided one, from DTensor's sharding propagator or piper_fx's own rules, and an op
+no rule places is a `PiperError` naming it.
+
+The models of the suite are planned up to the pass on a fake process group of their
+world in this process (each plan destroys its group, as `training.plan_all_ranks` does:
+a fresh process would double this file's time); the rules themselves are tested on
+graphs made here.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from piper_fx.errors import PiperError
+from piper_fx.sharding.specs import READS_KEY, SPEC_KEY, format_spec, is_decided, planning_mesh, propagate
+
+
+# An op no rule knows: the first three rows of a batch-sharded tensor (another leading size).
+@torch.library.custom_op("piper_test::first_three_rows", mutates_args=())
+def first_three_rows(x: torch.Tensor) -> torch.Tensor:
+    return x[:3].clone()
+
+
+@first_three_rows.register_fake
+def _(x):
+    return x.new_empty(3, *x.shape[1:])
+
+
+class ThreeRows(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return (self.fc(first_three_rows(x)) - y[:3]).square().mean()
+
+
+# ---- Planning the models of the suite.
+
+def _model(name: str, pp: bool):
+    """(module, the callable to compile, its arguments) of a model of the suite."""
+    import piper_fx
+    from examples.gpt import GPT, GPTConfig
+    from models import MODELS, DropoutMLP, batch
+    from training import SMALL, global_batch
+
+    if name.startswith("gpt"):  # a layer per pipeline stage, else one
+        cfg = GPTConfig(**{**SMALL, "n_layer": 2 if pp else 1}, tied_embeddings="untied" not in name,
+                        n_expert=4 if "moe" in name else 0)
+        model = GPT(cfg)
+        if pp:
+            model.block_context = lambda: piper_fx.annotate("PP")
+        if cfg.n_expert:
+            model.expert_context = lambda: piper_fx.annotate("EP")
+            for module in model.experts():
+                piper_fx.mark_experts(module)
+        return model, model, global_batch(0, 4, cfg)
+    model = {"dropout_mlp": lambda: DropoutMLP(0.1), "three_rows": ThreeRows}.get(name, MODELS.get(name))()
+    return model, model, batch(0, 4)
+
+
+def _planned(name: str, options: dict, world: int):
+    """The joint graph of `name` under `options`, after `propagate_placements`, on a fake
+    process group of `world` ranks (data-parallel index 0)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import piper_fx
+    from piper_fx.capture import capture
+    from piper_fx.passes import PIPELINE, position, run_passes
+    from piper_fx.passes.propagate_placements import propagate_placements
+    from piper_fx.sharding.mesh import dp_group_name
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, fn, args = _model(name, options.get("mesh", {}).get("pp", 1) > 1)
+        piper_fx.prepare(model, options)
+        strategy = piper_fx.parse_options(options)
+        captured = {}
+
+        def backend(gm, example_inputs):
+            captured["dag"] = capture(gm, example_inputs, strategy, dp_group_name(strategy))
+            return gm.forward
+
+        torch.compile(fn, backend=backend)(*args)
+        pipeline = PIPELINE[:position(propagate_placements) + 1]
+        return run_passes(captured["dag"], strategy.with_rank(0), lambda *_: None, pipeline)
+    finally:
+        dist.destroy_process_group()
+
+
+def _summary(dag) -> dict:
+    """What the tests check of a planned graph."""
+    from piper_fx.ir import OutputRole
+
+    nodes = [n for n in dag.joint.graph.nodes if n.op in ("placeholder", "get_attr", "call_function")]
+    placeholders = dag.placeholders()
+    by_name = {n.name: n for n in nodes}
+    role_of_arg = {i.arg_index: i.role.value for i in dag.inputs if i.arg_index is not None}
+    return {
+        "nodes": len(nodes),
+        "undecided": [f"{n.name} ({n.target}): {format_spec(n.meta.get(SPEC_KEY))}" for n in nodes
+                      if not is_decided(n.meta.get(SPEC_KEY), n.meta.get("val"))],
+        "inputs": [(i.role.value, placeholders[i.name].meta["val"].dim(), placeholders[i.name].meta[SPEC_KEY])
+                   for i in dag.inputs],
+        "grads": [(role_of_arg[o.index], by_name[o.name].meta[SPEC_KEY]) for o in dag.outputs
+                  if o.role is OutputRole.GRAD],
+        "loss": [by_name[o.name].meta[SPEC_KEY] for o in dag.outputs if o.role is OutputRole.LOSS],
+        "reads": sorted({str(n.target) for n in nodes if n.meta.get(READS_KEY)}),
+    }
+
+
+def _plan_cases(cases: dict) -> dict:
+    return {case: _summary(_planned(name, options, world)) for case, (name, options, world) in cases.items()}
+
+
+def _unplaceable_error() -> dict:
+    try:
+        _planned("three_rows", {"codegen": "eager"}, 2)
+    except PiperError as e:
+        return {"type": type(e).__name__, "message": str(e), "notes": getattr(e, "__notes__", [])}
+    return {"type": None}
+
+
+DP2 = {"codegen": "eager"}
+PP2xDP2 = {"mesh": {"pp": 2, "dp": 2}, "codegen": "eager"}
+CASES = {  # case: (model, options, world)
+    "gpt ddp": ("gpt", {**DP2, "zero": 0}, 2),
+    "gpt zero3 inductor": ("gpt", {"zero": 3, "codegen": "inductor"}, 2),
+    "gpt pp2 x dp2 zb1p zero2": ("gpt_untied", {**PP2xDP2, "zero": 2,
+                                                "pipeline": {"schedule": "zb1p", "microbatches": 2}}, 4),
+    "gpt zero1 microbatches 2": ("gpt", {**DP2, "zero": 1, "pipeline": {"microbatches": 2}}, 2),
+    "gpt experts ep2": ("gpt_moe", {"mesh": {"dp": 2, "ep": 2}, "codegen": "eager"}, 2),
+    "skip pp2 x dp2 1f1b": ("skip", {**PP2xDP2, "pipeline": {"schedule": "1f1b", "microbatches": 2}}, 4),
+    "dropout_mlp zero3 inductor": ("dropout_mlp", {"zero": 3, "codegen": "inductor"}, 2),
+}
+
+
+@pytest.fixture(scope="module")
+def planned():
+    assert not dist.is_initialized()  # each plan makes its own fake group, and destroys it
+    return {"cases": _plan_cases(CASES), "unplaceable": _unplaceable_error()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_node_of_every_models_joint_graph_has_a_decided_placement(planned, case):
+    result = planned["cases"][case]
+    assert result["nodes"] > 0 and result["undecided"] == [], result["undecided"][:10]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inputs_and_gradients_are_placed_as_the_strategy_holds_them(planned, case):
+    result = planned["cases"][case]
+    zero = CASES[case][1].get("zero", 0)
+    expected = {"input": Shard(0), "param": Replicate(), "param_shard": Shard(0), "buffer": Replicate(),
+                "tangent": Replicate(), "rng": Replicate()}
+    for role, ndim, spec in result["inputs"]:
+        if role == "input" and ndim == 0:
+            continue  # a scalar argument is the same on every rank
+        assert spec == expected[role], (role, spec)
+    assert [role for role, _, _ in result["inputs"]].count("param_shard" if zero else "param") > 0
+    grads = [spec for role, spec in result["grads"] if role in ("param", "param_shard")]
+    assert grads
+    if zero:  # reduce-scattered (ZeRO-2/3), or all-reduced then sliced (ZeRO-1): this rank's rows
+        assert all(spec == Shard(0) for spec in grads), grads
+    elif zero == 0 and "ep" not in CASES[case][1].get("mesh", {}):  # all-reduced
+        assert all(spec == Replicate() for spec in grads), grads
+    # The replica's loss: its mean over its own rows, whose average over dp is the global mean.
+    # (Inductor's decomposition divides by the replica's count, read as the global one:
+    # DTensor then takes the loss for a part of the sum.)
+    (loss,) = result["loss"]
+    assert loss == Partial("avg") or CASES[case][1]["codegen"] == "inductor" and isinstance(loss, Partial), loss
+
+
+def test_placements_of_a_dense_model_take_dtensors_rules_as_they_are(planned):
+    # At most one reading: the mean loss's backward divides by this replica's count (a partial sum).
+    assert set(planned["cases"]["gpt ddp"]["reads"]) <= {"aten.nll_loss_backward.default"}
+    # Random values are this rank's rows of the single-device ones: the dropout mask is read as placed.
+    assert planned["cases"]["dropout_mlp zero3 inductor"]["reads"] == []
+
+
+def test_an_op_no_rule_places_is_an_error_naming_it_in_the_pass(planned):
+    error = planned["unplaceable"]
+    assert error["type"] == "PiperError", error
+    assert "piper_test.first_three_rows.default" in error["message"], error["message"]
+    assert "dp:S(0)" in error["message"] and "no rule" in error["message"], error["message"]
+    assert "in piper_fx pass 'propagate_placements'" in error["notes"], error["notes"]
+
+
+# ---- The rules, on graphs made here (no process group: the planning mesh needs none).
+
+def _propagate(fn, *inputs: tuple[tuple[int, ...], object], ranks: int = 2) -> fx.Graph:
+    """`fn` traced on fake tensors of the given shapes, propagated from the given placements
+    over a planning mesh of `ranks` ranks."""
+    gm = make_fx(fn, tracing_mode="fake")(*[torch.randn(shape) for shape, _ in inputs])
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    propagate(gm.graph, {n.name: p for n, (_, p) in zip(placeholders, inputs)}, planning_mesh(ranks))
+    return gm.graph
+
+
+def _specs(graph: fx.Graph, target) -> list:
+    return [n.meta[SPEC_KEY] for n in graph.nodes if n.target == target]
+
+
+def test_an_op_with_no_rule_raises_naming_the_op_and_its_inputs():
+    with pytest.raises(PiperError) as raised:
+        _propagate(lambda x: first_three_rows(x) * 2, ((4, 8), Shard(0)))
+    message = str(raised.value)
+    assert "piper_test.first_three_rows.default(x_1: dp:S(0))" in message, message
+    assert "no rule" in message and "report" in message, message
+    # With replicated inputs every rank computes the same: replicated, whatever the op.
+    graph = _propagate(lambda x: first_three_rows(x) * 2, ((4, 8), Replicate()))
+    assert _specs(graph, torch.ops.piper_test.first_three_rows.default) == [Replicate()]
+
+
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+QKV = (4, 2, 9, 8)  # batch, heads, sequence, head width
+
+
+def _attention(q, k, v):
+    out, logsumexp = FLASH(q, k, v, 0.0, True)
+    return FLASH_BACKWARD(out.clone(), q, k, v, out, logsumexp, 0.0, True)
+
+
+def test_cpu_flash_attention_and_its_backward_are_row_wise_in_the_batch():
+    graph = _propagate(_attention, (QKV, Shard(0)), (QKV, Shard(0)), (QKV, Shard(0)))
+    assert _specs(graph, FLASH) == [(Shard(0), Shard(0))]
+    assert _specs(graph, FLASH_BACKWARD) == [(Shard(0), Shard(0), Shard(0))]
+    # A key of the whole batch on every rank is not this rank's rows of it: no placement fits.
+    with pytest.raises(PiperError, match="_scaled_dot_product_flash_attention_for_cpu.default"):
+        _propagate(_attention, (QKV, Shard(0)), (QKV, Replicate()), (QKV, Shard(0)))
+
+
+def test_a_scatter_add_of_each_ranks_rows_into_zeros_is_a_partial_sum():
+    aten = torch.ops.aten
+
+    def embedding_backward(grad, tokens):  # as Inductor decomposes it
+        mask = (tokens >= 0).unsqueeze(-1)
+        return aten._unsafe_masked_index_put_accumulate(grad.new_zeros(37, 16), mask, [tokens], grad)
+
+    gm = make_fx(embedding_backward, tracing_mode="fake")(torch.randn(4, 9, 16), torch.randint(0, 37, (4, 9)))
+    grad, tokens = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    propagate(gm.graph, {grad.name: Shard(0), tokens.name: Shard(0)}, planning_mesh(2))
+    assert _specs(gm.graph, aten._unsafe_masked_index_put_accumulate.default) == [Partial("sum")]
+
+
+def test_constants_and_empty_tensors_are_every_placement_they_are_read_as():
+    # As Hugging Face's Llama concatenates an empty cache (a graph constant) with the keys.
+    cache = torch.zeros(0)
+    gm = make_fx(lambda keys: torch.cat([cache, keys], dim=-2))(torch.randn(QKV))
+    (keys,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    propagate(gm.graph, {keys.name: Shard(0)}, planning_mesh(2))
+    (constant,) = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert constant.meta[SPEC_KEY] == Replicate()
+    (cat,) = [n for n in gm.graph.nodes if n.target == torch.ops.aten.cat.default]
+    assert cat.meta[SPEC_KEY] == Shard(0) and READS_KEY not in cat.meta
+
+
+def test_a_view_of_one_row_per_rank_keeps_the_rows_sharded():
+    # Flattening a batch whose rows on this rank do not divide by the ranks (here one of
+    # four): DTensor's checks are of the global batch, which does.
+    graph = _propagate(lambda t: t.view(-1).view(1, 9) * 2, ((1, 9), Shard(0)), ranks=4)
+    assert _specs(graph, torch.ops.aten.view.default) == [Shard(0), Shard(0)]
+
+
+def test_a_slice_backward_into_zeros_keeps_the_rows_sharded():
+    # Inductor's slice backward: the gradient's rows scattered into zeros, which are this
+    # rank's rows of zeros as well as replicated ones (DTensor's rule follows the zeros).
+    def slice_backward(grad):
+        return torch.ops.aten.slice_scatter(grad.new_zeros(4, 16), grad, 1, 8)
+
+    graph = _propagate(slice_backward, ((4, 8), Shard(0)))
+    (scatter,) = [n for n in graph.nodes if n.target == torch.ops.aten.slice_scatter.default]
+    assert scatter.meta[SPEC_KEY] == Shard(0) and READS_KEY not in scatter.meta
+
+
+def test_dtensor_is_asked_with_every_argument_that_decides_the_placement():
+    # The sum over the rows is a partial sum, over the columns this rank's rows: DTensor's
+    # own cache keys only the arguments an op's schema info names, so both must be asked as such.
+    graph = _propagate(lambda x: (x.sum(1), x.sum(0)), ((4, 6), Shard(0)))
+    assert _specs(graph, torch.ops.aten.sum.dim_IntList) == [Shard(0), Partial("sum")]
