@@ -15,8 +15,10 @@ guessed. A call's placement comes from the first of these that applies:
 
 1. Our own ops, whose placement change *is* their meaning (`_own_op_spec`):
    the ZeRO markers, the functional collectives and their waits (the expert
-   all-to-all keeps its input's placement: `_EXCHANGE`), and `getitem` of a
-   multi-result op.
+   all-to-all keeps its input's placement: `_EXCHANGE`), `getitem` of a
+   multi-result op, and the result of a placement change over dp that
+   `passes.lower_redistributions` lowered (`ops.PLACED`: the change's target,
+   e.g. ZeRO-1's rows of the all-reduced gradient, `Shard(0)`).
 2. An op with no tensor result: None.
 3. Values drawn from the RNG input (`random_values_rule`): `Shard(0)` when
    batch-major, else `Replicate()`.
