@@ -14,12 +14,15 @@ import re
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .compat import aot_descriptors as aot_desc, aot_export_joint_with_descriptors, select_decomp_table, tracing
 from .errors import PiperError
 from .ir import GraphInput, GraphOutput, InputRole, OutputRole, TrainingDAG
 from .options import Strategy
-from .sharding.row_shard import sharded_parameter_info
+from .sharding.dtensor_params import program_tensor
+from .sharding.experts import EXPERT_ATTR
+from .sharding.row_shard import INFO_ATTR, sharded_parameter_info
 
 _SOURCE_KEY = re.compile(r"\['([^']+)'\]")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
@@ -90,6 +93,8 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
         if not isinstance(example, torch.Tensor):
             raise PiperError(f"compiled argument {index} is {type(example).__name__}: piper_fx compiles "
                              "tensor arguments only")
+        if isinstance(example, DTensor):
+            example = _read_as_program_tensor(node, example, index)
         if microbatches > 1 and not isinstance(example, nn.Parameter) and not _fqn_from_source(node)[1]:
             if example.dim() == 0 or example.shape[0] % microbatches:
                 raise PiperError(f"compiled argument {index} has shape {tuple(example.shape)}: its dim 0 must "
@@ -99,6 +104,28 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
         args.append(example)
     gm.recompile()
     return gm, args, kept
+
+
+def _read_as_program_tensor(node: fx.Node, parameter: torch.Tensor, index: int) -> nn.Parameter:
+    """Make the graph read the DTensor parameter `parameter` (placeholder `node`) as the plain
+    tensor the program computes with (`dtensor_params.program_tensor`): its `to_local()`
+    reads become the placeholder itself. Returns the example to trace it with, a plain
+    `nn.Parameter` carrying what piper_fx knows of the parameter."""
+    if not isinstance(parameter, nn.Parameter) or sharded_parameter_info(parameter) is None:
+        raise PiperError(f"compiled argument {index} is a DTensor that piper_fx.prepare did not make; piper_fx "
+                         "places the model's parameters itself: pass plain tensors and parameters")
+    for user in list(node.users):
+        if not (user.op == "call_method" and user.target == "to_local"):
+            raise PiperError(f"the model reads its sharded parameter {sharded_parameter_info(parameter).fqns[0]} "
+                             f"other than through its module's attribute ({user.format_node()}); read it as "
+                             "module.<name>, which gives the full tensor")
+        user.replace_all_uses_with(node)
+        node.graph.erase_node(user)
+    example = nn.Parameter(program_tensor(parameter).detach(), requires_grad=parameter.requires_grad)
+    for attr in (INFO_ATTR, EXPERT_ATTR):
+        if hasattr(parameter, attr):
+            setattr(example, attr, getattr(parameter, attr))
+    return example
 
 
 def _describe_inputs(joint: fx.GraphModule, traced_inputs: list, arg_indices: list[int],

@@ -50,10 +50,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.nn.utils import parametrize
 
 from .compat import _init_optim_state
-from .sharding.holdings import HeldParameter, held_parameters
+from .sharding.holdings import Holding, held_parameters
 
 MODEL, OPTIMIZER, STEP, RNG = "model", "optimizer", "step", "rng"
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
@@ -63,29 +62,19 @@ _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
 
 def _model_entries(model: nn.Module, current_only: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """fqn -> (value for DCP, the tensor it writes into), in `state_dict()` order."""
-    held = {fqn: h for h in held_parameters(model) for fqn in h.fqns}
+    holdings = {id(h.parameter): h.holding for h in held_parameters(model)}
     entries: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, parametrize.ParametrizationList):
-            continue  # its `original` is reported under the name it stands for
-        prefix = f"{module_name}." if module_name else ""
-        names = [name for name, p in module._parameters.items() if p is not None]
-        if parametrize.is_parametrized(module):
-            names += list(module.parametrizations)
-        for name in names:
-            h = held[prefix + name]
-            if current_only and not h.holding.current:
-                continue
-            entries[prefix + name] = _piece(h, h.parameter.detach())
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
-                entries[prefix + name] = (b.detach(), b.detach())
+    for fqn, value in model.state_dict(keep_vars=True).items():
+        holding = holdings.get(id(value))
+        if holding is not None and current_only and not holding.current:
+            continue
+        entries[fqn] = _piece(value.detach())
     return entries
 
 
-def _piece(held: HeldParameter, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`tensor` (the parameter or a state of its shape) as DCP sees it, and the rows it stands for."""
-    return held.holding.dtensor(tensor), held.holding.local(tensor)
+def _piece(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tensor` (a parameter, buffer or optimizer state) as DCP sees it, and the local tensor it writes into."""
+    return tensor, Holding.local(tensor)
 
 
 def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer, current_only: bool
@@ -114,7 +103,7 @@ def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer, curre
                             f"optimizer state {key!r} of {fqn} has shape {tuple(value.shape)}, neither a scalar "
                             f"nor the parameter's shard shape {tuple(p.shape)}: piper_fx cannot say which part "
                             "of the full state it is")
-                    value, destinations[(OPTIMIZER, _STATE, fqn, key)] = _piece(h, value.detach())
+                    value, destinations[(OPTIMIZER, _STATE, fqn, key)] = _piece(value.detach())
                 elif isinstance(value, torch.Tensor):
                     destinations[(OPTIMIZER, _STATE, fqn, key)] = value
                 state[fqn][key] = value

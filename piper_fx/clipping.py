@@ -1,8 +1,8 @@
 """`piper_fx.clip_grad_norm_`: gradient clipping by the norm of the whole model's gradient.
 
 `torch.nn.utils.clip_grad_norm_` sees the gradients a process holds. Under
-piper_fx those are pieces of the model's gradient: a ZeRO shard (padded rows
-included), one replica of many (plain data parallelism, a block of experts
+piper_fx those are pieces of the model's gradient: a ZeRO shard (a DTensor,
+which torch's sees whole), one replica of many (plain data parallelism, a block of experts
 copied over the ep groups' replicas), or nothing at all for parameters that
 the rank's pipeline stages do not read. Each rank would clip by another norm,
 and replicas would drift apart.
@@ -17,9 +17,9 @@ with no record is taken as whole and this rank's alone (counted on every rank).
 Guarantees: the norm returned is, on every rank, the norm of the whole
 model's gradient, as single-process `torch.nn.utils.clip_grad_norm_` computes
 it on the unsplit model (to floating-point rounding: pieces are summed per rank,
-then over ranks): each parameter's gradient counted once, without ZeRO's
-padding rows. Every held gradient is scaled by the same coefficient on every
-rank (PyTorch's `clip_grads_with_norm_`), so replicas stay identical. One
+then over ranks): each parameter's gradient counted once. Every held gradient
+is scaled by the same coefficient on every rank (PyTorch's
+`clip_grads_with_norm_`'s), so replicas stay identical. One
 all-reduce over the default process group per call; none without one, or in a
 world of one rank (then the result is exactly `torch.nn.utils.clip_grad_norm_`'s).
 """
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .sharding.holdings import holding_of
+from .sharding.holdings import Holding, holding_of
 from .sharding.mesh import process_group_device_type
 
 
@@ -46,12 +46,12 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor] | nn.Modul
 
     `torch.nn.utils.clip_grad_norm_`'s signature and semantics, for a model
     split by piper_fx: `torch.nn.utils.clip_grad_norm_` on a rank sees only
-    this rank's pieces (ZeRO shards with their padding, one replica of many,
-    no gradient for parameters of other pipeline stages), so its norm differs
-    from rank to rank and from the model's. This one computes the norm each
-    parameter's gradient would have in single-process training, counting each
-    piece once (the first replica of each, on the pipeline rank that trains it)
-    and dropping padding rows, combines the ranks' parts with one all-reduce
+    this rank's pieces (one replica of many, no gradient for parameters of
+    other pipeline stages; DTensor shards it does see whole), so its norm
+    differs from rank to rank and from the model's. This one computes the norm
+    each parameter's gradient would have in single-process training, counting
+    each piece once (the first replica of each, on the pipeline rank that
+    trains it), combines the ranks' parts with one all-reduce
     (sum of norm**p, or max for `inf`), and scales every gradient this rank
     holds by PyTorch's coefficient `min(max_norm / (total_norm + 1e-6), 1)`.
 
@@ -92,8 +92,26 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor] | nn.Modul
                 "`parameters` is non-finite, so it cannot be clipped. To disable "
                 "this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`")
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach)
+        _scale(parameters, max_norm, total_norm, foreach)
     return total_norm
+
+
+def _scale(parameters: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor, foreach: bool | None) -> None:
+    """`torch.nn.utils.clip_grads_with_norm_` on the pieces this rank holds (a DTensor
+    gradient's local rows: the coefficient is the same on every rank, so no DTensor op is needed)."""
+    grads = [Holding.local(p.grad) for p in parameters if p.grad is not None]
+    if not grads:
+        return
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    for device, device_grads in by_device.items():
+        if foreach or (foreach is None and device.type != "cpu"):
+            torch._foreach_mul_(device_grads, coefficient.to(device))
+        else:
+            for grad in device_grads:
+                grad.mul_(coefficient.to(device))
 
 
 def _total_norm(parameters: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
@@ -114,7 +132,7 @@ def _total_norm(parameters: list[torch.Tensor], norm_type: float, foreach: bool 
             continue
         holding = holding_of(p)
         piece = holding.local(p.grad) if holding.counted else None
-        if piece is not None and piece.numel():  # a shard of padding rows only counts for nothing
+        if piece is not None and piece.numel():  # a rank may hold none of a parameter's rows
             counted.append(piece)
     # What travels is the same on every rank, whatever it holds: its dtype and size
     # depend on the parameters (every rank holds every parameter, or a piece of it).

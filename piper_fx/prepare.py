@@ -25,11 +25,14 @@ _LAYOUT_ATTR = "_piper_layout_key"
 def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Module:
     """Lay out `model`'s parameters for the strategy in `options`, in place.
 
-    With ZeRO >= 1 over dp > 1 ranks every parameter becomes its 1/dp row shard
-    (a new `nn.Parameter`; build the optimizer afterwards, as with FSDP2).
-    With `mesh.ep > 1` every expert parameter (`piper_fx.mark_experts`) becomes
-    the block of experts this rank computes, replicated over the dp/ep groups
-    (and never ZeRO-sharded on top); with ep = 1 experts are ordinary parameters.
+    With ZeRO >= 1 over dp > 1 ranks every parameter becomes its 1/dp rows, a
+    new `nn.Parameter` holding a `Shard(0)` DTensor on the dp mesh (build the
+    optimizer afterwards, as with FSDP2); 0-d parameters, which have no rows,
+    stay whole replicas. With `mesh.ep > 1` every expert parameter
+    (`piper_fx.mark_experts`) becomes the block of experts this rank computes,
+    a `Shard(0)` DTensor on the ep mesh, replicated over the dp/ep groups (and
+    never ZeRO-sharded on top); with ep = 1 experts are ordinary parameters.
+    Parameters keep their names: `state_dict()` keys do not change.
     Otherwise the layout does not change. Calling it again with the same layout
     is a no-op. With dp > 1 it first gives every replica the first replica's
     parameters and buffers, as DDP does, so it is collective: every rank must call it.
@@ -107,7 +110,8 @@ def check_prepared(strategy: Strategy, example_inputs: list) -> None:
     zero_shards = sum(info is not None and info.mesh_dim == "dp" for info in infos)
     expert_shards = sum(info is not None and info.mesh_dim == "ep" for info in infos)
     plain = [p for p, info in zip(params, infos) if info is None]
-    if strategy.shards_parameters and any(not (strategy.ep > 1 and is_expert_parameter(p)) for p in plain):
+    if strategy.shards_parameters and any(p.dim() > 0 and not (strategy.ep > 1 and is_expert_parameter(p))
+                                          for p in plain):
         raise PiperConfigError(
             "zero", strategy.zero,
             f"ZeRO-{strategy.zero} over dp={strategy.dp} needs sharded parameters: call "

@@ -4,11 +4,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import parametrize
+from torch.distributed.tensor import DTensor
 
 from .compat import resolve_process_group
 from .sharding.holdings import holding_of
-from .sharding.row_shard import sharded_parameter_info
 
 
 def _from_owner(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
@@ -25,28 +24,18 @@ def _from_owner(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full parameters and buffers under their original names, on every rank.
+    """Full parameters and buffers under their names, on every rank.
 
     Collective for sharded and pipelined models (every rank must call it):
-    shards are gathered over the data-parallel group, and each parameter of a
-    pipeline comes from the pipeline rank that trains it. Keys match `model.state_dict()` of the unprepared model, tied
-    parameters included under each of their names.
+    DTensor parameters are gathered over their group, and each parameter of a
+    pipeline comes from the pipeline rank that trains it. Keys match
+    `model.state_dict()`, tied parameters included under each of their names.
     """
     state: dict[str, torch.Tensor] = {}
-    for module_name, module in model.named_modules():
-        if isinstance(module, parametrize.ParametrizationList):
-            continue  # its `original` is the shard, reported below as the full tensor
-        prefix = f"{module_name}." if module_name else ""
-        for name, p in module._parameters.items():
-            if p is not None:
-                state[prefix + name] = _from_owner(p.detach().clone(), p)
-        if parametrize.is_parametrized(module):
-            for name in module.parametrizations:
-                original = module.parametrizations[name].original
-                if sharded_parameter_info(original) is None:
-                    raise RuntimeError(f"{prefix}{name} has a parametrization piper_fx did not make")
-                state[prefix + name] = _from_owner(getattr(module, name).detach().clone(), original)
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
-                state[prefix + name] = b.detach().clone()
+    for name, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, nn.Parameter):
+            full = value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
+            state[name] = _from_owner(full, value)
+        else:
+            state[name] = value.detach().clone()
     return state

@@ -12,17 +12,20 @@ import os
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import piper_fx
 from examples.gpt import GPT, GPTConfig
 from piper_fx.checkpoint import load_checkpoint, save_checkpoint
-from training import SMALL, global_batch, make_optimizer, optimizer_state_bytes
+from training import SMALL, global_batch, local_bytes, make_optimizer, optimizer_state_bytes
 
 GLOBAL_BATCH = 4
 SAVE_AFTER, STEPS = 3, 6
 ZERO3 = {"zero": 3, "codegen": "eager"}
 PP2_1F1B = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "1f1b", "microbatches": 2}}
 OPTIMIZERS = ("sgd", "adamw_eps")
+TORCH_API = "torch_api"  # AdamW saved and resumed with torch.distributed.checkpoint.state_dict's functions
 
 
 def config() -> GPTConfig:
@@ -87,6 +90,9 @@ def train_and_save_worker(rank: int, world: int, root: str) -> dict:
         first_local, first_mean = train(step, opt, ZERO3, range(SAVE_AFTER), rank, world)
         before = _snapshot(model, opt)
         save_checkpoint(os.path.join(root, name), model, opt, step=SAVE_AFTER)
+        if name == "adamw_eps":  # and with PyTorch's own API, which sees the DTensor parameters
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, TORCH_API))
         unchanged = all(torch.equal(a, b) for a, b in zip(before, _snapshot(model, opt)))
         rng_at_save = torch.get_rng_state().numpy().copy()
         last_local, last_mean = train(step, opt, ZERO3, range(SAVE_AFTER, STEPS), rank, world)
@@ -116,9 +122,19 @@ def resume_worker(rank: int, world: int, root: str) -> dict:
         results[name] = {
             "step": resumed_at, "local_losses": local, "losses": mean, "final": full_numpy(model),
             "rng_before_load": rng_before, "rng_after_load": rng, "optimizer_state_bytes": state_bytes,
-            "local_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "local_param_bytes": local_bytes(model.parameters()),
             "full_param_bytes": sum(p.numel() * p.element_size() for p in GPT(config()).parameters()),
         }
+    torch._dynamo.reset()
+
+    # PyTorch's own get_state_dict / dcp.load / set_state_dict into a fresh model and optimizer.
+    model = build(ZERO3, seed=300 + rank)
+    opt = make_optimizer("adamw_eps", model.parameters())
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, TORCH_API))
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    local, mean = train(compiled(model, ZERO3), opt, ZERO3, range(SAVE_AFTER, STEPS), rank, world)
+    results[TORCH_API] = {"local_losses": local, "losses": mean, "final": full_numpy(model)}
     torch._dynamo.reset()
 
     model = build(PP2_1F1B, seed=200 + rank)

@@ -12,7 +12,7 @@ from examples.gpt import GPT, GPTConfig
 from piper_fx.clipping import clip_grad_norm_
 from piper_fx.compat import resolve_process_group
 from piper_fx.sharding.holdings import held_parameters
-from training import SMALL, global_batch, make_optimizer, relative_error
+from training import SMALL, global_batch, local, make_optimizer, relative_error
 
 
 def _reference_rows(holding, reference_grad: torch.Tensor, rows: int) -> torch.Tensor:
@@ -60,7 +60,7 @@ def clip_and_train(rank: int, world: int, options: dict, max_norm: float, norm_t
         ref_loss = reference(x, y)
         ref_loss.backward()
 
-        own_grads = [p.grad for p in model.parameters() if p.grad is not None]
+        own_grads = [local(p.grad) for p in model.parameters() if p.grad is not None]
         out["rank_local_norms"].append(torch.nn.utils.get_total_norm(own_grads, norm_type).item())
         norm = clip_grad_norm_(model.parameters(), max_norm, norm_type)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)
@@ -98,45 +98,65 @@ def clip_and_train(rank: int, world: int, options: dict, max_norm: float, norm_t
 
 
 def clipping_worker(rank: int, world: int, configs: list[dict]) -> dict:
-    """`clip_and_train` for each config in turn, then `padding_and_nonfinite`, in one process group."""
+    """`clip_and_train` for each config in turn, then `uneven_rows_and_nonfinite`, in one process group."""
     trainings = []
     for config in configs:
         config = dict(config)
         options = {"codegen": "eager", **config.pop("options")}
         trainings.append(clip_and_train(rank, world, options, **config))
         torch._dynamo.reset()
-    return {"trainings": trainings, "linear": padding_and_nonfinite(rank, world)}
+    return {"trainings": trainings, "linear": uneven_rows_and_nonfinite(rank, world)}
 
 
-def padding_and_nonfinite(rank: int, world: int) -> dict:
-    """A Linear(5, 3) under ZeRO-2 over every rank (3 rows over 4 ranks: rank 3 holds padding
-    only). With a nan written into the padding rows of the last rank's gradient pieces, the norm
-    (error_if_nonfinite=True) against torch's on the unsplit Linear, for norms 2 and inf; then,
-    with a nan in rank 1's real rows, what each rank's call raised, and the inf norm returned
-    without raising."""
+def _linear_with_grads(rank: int, world: int, out_features: int, zero: int):
+    """A Linear(5, out_features) at `zero` over every rank, one compiled step's gradients in it,
+    and its unsplit copy with the global batch's."""
     import copy
 
     torch.manual_seed(0)
-    model = torch.nn.Linear(5, 3)
+    model = torch.nn.Linear(5, out_features)
     reference = copy.deepcopy(model)
-    options = {"zero": 2, "codegen": "eager"}
+    options = {"zero": zero, "codegen": "eager"}
     piper_fx.prepare(model, options)
     step = torch.compile(lambda x: model(x).square().mean(), backend="piper", options=options)
     x = torch.randn(2 * world, 5, generator=torch.Generator().manual_seed(0))
     step(x.chunk(world)[rank]).backward()
     reference(x).square().mean().backward()
+    return model, reference
+
+
+def torch_clipping(rank: int, world: int) -> dict:
+    """torch's own `clip_grad_norm_` on a Linear(5, 7) at ZeRO-3 over every rank (uneven rows, each
+    rank some) against torch's on the unsplit Linear, clipping active (norms 2 and inf): the norm
+    errors, and the worst error of the clipped gradients."""
+    out = {}
+    for norm_type in (2.0, math.inf):
+        model, reference = _linear_with_grads(rank, world, 7, zero=3)
+        torch_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, norm_type)
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01, norm_type)
+        out[f"torch_norm_error_{norm_type}"] = abs(torch_norm.full_tensor().item() - expected.item()) / expected.item()
+        out[f"torch_grad_error_{norm_type}"] = max(relative_error(p.grad.full_tensor(), r.grad)
+                                                    for p, r in zip(model.parameters(), reference.parameters()))
+        torch._dynamo.reset()
+    return out
+
+
+def uneven_rows_and_nonfinite(rank: int, world: int) -> dict:
+    """A Linear(5, 3) under ZeRO-2 over every rank (3 rows over 4 ranks: rank 3 holds none of the
+    weight's rows). The gradients' shapes; the norm against torch's on the unsplit Linear, for
+    norms 2 and inf (and `torch_clipping`); then, with a nan in rank 1's rows, what each rank's
+    call raised, and the inf norm returned without raising."""
+    model, reference = _linear_with_grads(rank, world, 3, zero=2)
     held = [h for h in held_parameters(model) if h.parameter.grad is not None]
-    out = {"padded_rows": 0}
-    for h in held:
-        rows = h.holding.local(h.parameter.grad).shape[0]
-        out["padded_rows"] += h.parameter.grad.shape[0] - rows
-        h.parameter.grad[rows:] = math.nan
+    out = {"grad_shapes": [tuple(h.parameter.grad.shape) for h in held],
+           "local_rows": [local(h.parameter.grad).shape[0] for h in held]}
     for norm_type in (2.0, math.inf):
         expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()], norm_type)
         norm = clip_grad_norm_(model, math.inf, norm_type, error_if_nonfinite=True)  # max_norm inf: scale 1
-        out[f"padding_error_{norm_type}"] = abs(norm.item() - expected.item()) / expected.item()
+        out[f"norm_error_{norm_type}"] = abs(norm.item() - expected.item()) / expected.item()
+    out.update(torch_clipping(rank, world))
     if rank == 1:
-        held[0].parameter.grad.view(-1)[0] = math.nan
+        local(held[0].parameter.grad).view(-1)[0] = math.nan
     for norm_type in (2.0, math.inf):
         try:
             clip_grad_norm_(model, 1.0, norm_type, error_if_nonfinite=True)

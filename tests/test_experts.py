@@ -26,6 +26,13 @@ def _check(results, configs, dp, ep):
             assert max(run["loss_errors"]) < RTOL, (rank, config, run["loss_errors"])
             worst = max(run["param_errors"], key=run["param_errors"].get)
             assert run["param_errors"][worst] < RTOL, (rank, config, worst, run["param_errors"][worst])
+    # Expert weights are DTensors of this rank's experts on the ep mesh; the rest as ZeRO holds them.
+    for index, config in enumerate(configs):
+        zero = config["options"].get("zero", 0)
+        for rank, runs in enumerate(results):
+            for name, placement in runs[index]["placements"].items():
+                expected = "ep:Shard(dim=0)" if ".experts." in name else "dp:Shard(dim=0)" if zero else "plain"
+                assert placement == expected, (config, rank, name, placement)
     # An expert block is held by the dp/ep ranks of the same ep index (and pipeline rank), bit-identical;
     # the other ranks of its ep group hold other experts.
     for index, config in enumerate(configs):

@@ -60,7 +60,18 @@ def test_pipeline_with_data_parallel_zero():
     configs = [{"options": {"mesh": {"pp": 2, "dp": 2}, "zero": zero,
                             "pipeline": {"schedule": "1f1b", "microbatches": 2}},
                 "pp_regions": True, "per_rank_batch": 2} for zero in (0, 1, 2, 3)]
-    _check(run_ranks(pipeline_worker, 4, configs, deadline_s=600), configs)
+    results = run_ranks(pipeline_worker, 4, configs, deadline_s=600)
+    _check(results, configs)
+    for index, zero in enumerate((0, 1, 2, 3)):
+        for rank, runs in enumerate(results):
+            placements = set(runs[index]["placements"].values())
+            assert placements == {"dp:Shard(dim=0)" if zero else "plain"}, (zero, rank, placements)
+        # Ranks 0 and 2 (and 1 and 3) are one pipeline: each keeps optimizer state only for its stage's
+        # parameters, none for the other stage's.
+        for first, second in ((0, 2), (1, 3)):
+            owned = [set(results[r][index]["params_with_state"]) for r in (first, second)]
+            assert owned[0] and owned[1] and not owned[0] & owned[1], (zero, owned)
+            assert owned[0] | owned[1] == set(results[first][index]["all_params"]), zero
 
 
 def test_1f1b_holds_about_p_over_m_of_gpipes_activations_on_the_first_stage():

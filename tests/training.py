@@ -5,6 +5,7 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import piper_fx
 from examples.gpt import GPT, GPTConfig
@@ -41,9 +42,25 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).abs().max() / scale).item()
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: a DTensor's local piece, a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_bytes(tensors) -> int:
+    return sum(local(t).numel() * t.element_size() for t in tensors)
+
+
+def placement(t: torch.Tensor) -> str:
+    """How `t` is placed: "plain", or a DTensor's mesh dimensions and placements."""
+    if not isinstance(t, DTensor):
+        return "plain"
+    return f"{','.join(t.device_mesh.mesh_dim_names or ())}:{','.join(map(repr, t.placements))}"
+
+
 def optimizer_state_bytes(opt) -> int:
-    return sum(t.numel() * t.element_size() for state in opt.state.values() for t in state.values()
-               if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return local_bytes(t for state in opt.state.values() for t in state.values()
+                       if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
 def train_and_compare(rank: int, world: int, options: dict, optimizer: str, steps: int = 5,
@@ -118,11 +135,16 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
         "params_with_state": sorted(name for name, p in model.named_parameters() if p in opt.state),
         # Parameters this rank trained, as it holds them (several pipeline ranks may hold one);
         # numpy, since a worker's tensors would travel as shared memory that dies with it.
-        "trained_values": {name: p.detach().numpy().copy() for name, p in model.named_parameters()
+        "trained_values": {name: local(p.detach()).numpy().copy() for name, p in model.named_parameters()
                            if p in opt.state},
         "all_params": sorted(name for name, _ in model.named_parameters()),
+        "placements": {name: placement(p) for name, p in model.named_parameters()},
+        # Each optimizer state of a parameter's shape, placed like the parameter (FSDP2's convention).
+        "state_placements": {f"{name}.{key}": placement(value) for name, p in model.named_parameters()
+                             for key, value in opt.state.get(p, {}).items()
+                             if isinstance(value, torch.Tensor) and value.dim() > 0},
         "reference_state_bytes": optimizer_state_bytes(ref_opt),
-        "local_param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "local_param_bytes": local_bytes(model.parameters()),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
     }
 
@@ -190,10 +212,7 @@ def first_op_reads_a_parameter_worker(rank: int, world: int, zero: int) -> float
     x = torch.randn(2 * world, 4, generator=torch.Generator().manual_seed(0))
     step(x.chunk(world)[rank]).backward()
     reference(x).square().mean().backward()
-    shard_grad = model.parametrizations.weight.original.grad
-    full_grad = torch.cat([torch.zeros_like(shard_grad) for _ in range(world)])
-    dist.all_gather_into_tensor(full_grad, shard_grad.contiguous())
-    return relative_error(full_grad[:3], reference.weight.grad)
+    return relative_error(dict(model.named_parameters())["weight"].grad.full_tensor(), reference.weight.grad)
 
 
 def pipeline_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:

@@ -24,7 +24,7 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1) if t.dim() == 0 else t
 
 
-def _pad_rows(t: torch.Tensor, padded_rows: int) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, padded_rows: int) -> torch.Tensor:
     missing = padded_rows - t.shape[0]
     if missing == 0:
         return t
@@ -40,13 +40,13 @@ def gather_rows(shard: torch.Tensor, full_shape: list[int], group_size: int, gro
 
 def reduce_scatter_rows(grad: torch.Tensor, shard_rows: int, group_size: int, group_name: str) -> torch.Tensor:
     """Average a full gradient over the group and keep this rank's row shard (ZeRO-2/3)."""
-    padded = _pad_rows(_as_rows(grad), shard_rows * group_size).contiguous()
+    padded = pad_rows(_as_rows(grad), shard_rows * group_size).contiguous()
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(padded, "avg", group_size, group_name))
 
 
 def take_rows(full: torch.Tensor, shard_rows: int, group_size: int, group_rank: int) -> torch.Tensor:
     """This rank's row shard of a value every rank holds whole (no communication)."""
-    padded = _pad_rows(_as_rows(full), shard_rows * group_size)
+    padded = pad_rows(_as_rows(full), shard_rows * group_size)
     return padded.narrow(0, group_rank * shard_rows, shard_rows).clone()
 
 

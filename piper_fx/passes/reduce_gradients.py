@@ -1,13 +1,14 @@
 """Pass: state how parameter gradients are averaged over the data-parallel group.
 
-Requires: the joint graph; ZeRO >= 1 gradients arrive through `piper::reduce_grad`
-markers (the backward of `piper::unshard`), ZeRO-0 gradients as GRAD outputs of
-PARAM placeholders.
+Requires: the joint graph; gradients of ZeRO's row shards arrive through
+`piper::reduce_grad` markers (the backward of `piper::unshard`), those of
+replicated parameters (every one at ZeRO-0, 0-d ones at any level) as GRAD
+outputs of PARAM placeholders.
 Guarantees: no `piper::reduce_grad` node remains; every parameter gradient
 output leaves through the placement changes its owner needs, stated as
 `piper::redistribute` markers over the dp group (`collectives.redistribute`;
 `lower_redistributions` makes them collectives):
-  - ZeRO-0 (DDP): `Partial(avg)` -> `Replicate()` (an all-reduce);
+  - ZeRO-0 (DDP), and replicated parameters at any level: `Partial(avg)` -> `Replicate()` (an all-reduce);
   - ZeRO-1: `Partial(avg)` -> `Replicate()`, then `Replicate()` -> `Shard(0)`
     (an all-reduce, then this rank's rows);
   - ZeRO-2/3: `Partial(avg)` -> `Shard(0)` (a reduce-scatter).
@@ -82,8 +83,7 @@ def reduce_gradients(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     if not dag.training or strategy.dp == 1:
         return dag
     _lower_markers(dag, strategy)
-    if strategy.zero == 0:
-        _all_reduce_full_gradients(dag, strategy)
+    _all_reduce_full_gradients(dag, strategy)  # replicas: every parameter at ZeRO-0, 0-d ones at any level
     dag.joint.graph.lint()
     dag.joint.recompile()
     return dag

@@ -26,6 +26,7 @@ from ..debug import DebugDump
 from ..errors import PiperError
 from ..ir import GraphInput, GraphOutput, InputRole, OutputRole, RankProgram
 from ..philox import StepRandomness
+from ..sharding.dtensor_params import parameter_grad, program_tensor
 from . import failures
 from .executor import ProgramExecutor, StepRun
 
@@ -130,7 +131,8 @@ class CompiledStep:
                                  "again, e.g. a new torch.compile, for another shape)")
 
     def run_program(self, args: Sequence[torch.Tensor]):
-        """Run the program on the call's arguments: (user outputs, {arg index: grad})."""
+        """Run the program on the call's arguments: (user outputs, {arg index: grad}), each
+        gradient as the program computes it (a DTensor parameter's: its padded local rows)."""
         global _latest_run
         call = failures.next_call()
         try:
@@ -150,8 +152,8 @@ class CompiledStep:
             elif graph_input.role is InputRole.RNG:
                 rng = self.randomness.microbatch_inputs(self.steps_run, self.microbatches)
                 values.update({(graph_input.name, m): words for m, words in enumerate(rng)})
-            else:
-                values[(graph_input.name, None)] = args[graph_input.arg_index]
+            else:  # a parameter (a DTensor's padded local rows) or a buffer
+                values[(graph_input.name, None)] = program_tensor(args[graph_input.arg_index])
         results, self.last_run = self.executor.run(values, call)
         _latest_run = self.last_run
         self.steps_run += 1
@@ -186,7 +188,7 @@ class _StepFunction(torch.autograd.Function):
         with torch.no_grad():
             user_outputs, grads = step.run_program(args)
         ctx.grads = grads
-        ctx.num_args = len(args)
+        ctx.args = args
         # Only the loss (output 0) carries gradient; the others are plain values.
         ctx.mark_non_differentiable(*user_outputs[1:])
         return tuple(user_outputs)
@@ -194,7 +196,9 @@ class _StepFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, loss_seed: torch.Tensor, *unused):
         grads, ctx.grads = ctx.grads, None
+        args, ctx.args = ctx.args, None
         if grads is None:
             raise RuntimeError("piper_fx: backward through the same compiled step twice; "
                                "the step's gradients were already delivered")
-        return (None, *(loss_seed * grads[i] if i in grads else None for i in range(ctx.num_args)))
+        return (None, *(parameter_grad(arg, loss_seed * grads[i]) if i in grads else None
+                        for i, arg in enumerate(args)))

@@ -4,9 +4,9 @@ A mixture-of-experts layer holds its experts as batched weights whose dim 0
 indexes the expert (e.g. `w_in` of shape (experts, d, hidden)). The model says
 which they are with `piper_fx.mark_experts(module)`; with `mesh.ep > 1`,
 `prepare` replaces each by the block of experts this rank computes (rank i of
-the ep group holds experts [i*E/ep, (i+1)*E/ep)) and registers a
-parametrization that turns the block back into the full weight with the
-`piper::unshard_experts` op. Dynamo traces that op as a marker, distinct from
+the ep group holds experts [i*E/ep, (i+1)*E/ep)), a `Shard(0)` DTensor
+parameter on the ep mesh (`dtensor_params`) whose reads turn the block back
+into the full weight with the `piper::unshard_experts` op. Dynamo traces that op as a marker, distinct from
 ZeRO's `piper::unshard` (whose group may be the very same ranks when ep = dp); the pass
 `shard_experts` lowers it and its backward (`piper::reduce_expert_grad`) to
 the local computation of an expert-parallel layer. Used eagerly (outside
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
-from .row_shard import _INFO_ATTR, RowShardLayout, ShardedParameter, define_row_markers
+from .dtensor_params import read_through
+from .row_shard import INFO_ATTR, RowShardLayout, ShardedParameter, define_row_markers
 
-_EXPERT_ATTR = "_piper_expert"
+EXPERT_ATTR = "_piper_expert"
 
 
 def mark_experts(module: nn.Module) -> nn.Module:
@@ -33,29 +33,17 @@ def mark_experts(module: nn.Module) -> nn.Module:
     Returns `module`.
     """
     for p in module.parameters():
-        setattr(p, _EXPERT_ATTR, True)
+        setattr(p, EXPERT_ATTR, True)
     return module
 
 
 def is_expert_parameter(p: object) -> bool:
-    return isinstance(p, nn.Parameter) and getattr(p, _EXPERT_ATTR, False)
+    return isinstance(p, nn.Parameter) and getattr(p, EXPERT_ATTR, False)
 
 
 # The markers Dynamo traces where the expert weights are read, and where their gradient leaves:
 # distinct from ZeRO's, whose group may be the very same ranks when ep = dp.
 UNSHARD_EXPERTS, REDUCE_EXPERT_GRAD = define_row_markers("unshard_experts", "reduce_expert_grad")
-
-
-class UnshardExperts(nn.Module):
-    """Parametrization: this rank's block of experts -> the weights of every expert."""
-
-    def __init__(self, num_experts: int, group_name: str):
-        super().__init__()
-        self.num_experts = num_experts
-        self.group_name = group_name
-
-    def forward(self, shard: torch.Tensor) -> torch.Tensor:
-        return UNSHARD_EXPERTS(shard, [self.num_experts, *shard.shape[1:]], self.group_name)
 
 
 def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -70,11 +58,13 @@ def shard_experts(model: nn.Module, group_name: str, group_size: int, group_rank
     """
     held = [(module_name, module, name, p) for module_name, module in model.named_modules()
             for name, p in module._parameters.items() if p is not None and is_expert_parameter(p)]
-    for module_name, module, name, p in held:  # parametrizing adds modules: not while walking them
+    for module_name, module, name, p in held:
         fqn = f"{module_name}.{name}" if module_name else name
         layout = RowShardLayout(tuple(p.shape), group_size)
-        shard = nn.Parameter(layout.shard_of(p.detach(), group_rank), requires_grad=p.requires_grad)
-        setattr(shard, _EXPERT_ATTR, True)
-        setattr(shard, _INFO_ATTR, ShardedParameter((fqn,), layout, group_name, mesh_dim="ep"))
+        shard = layout.parameter(p.detach(), group_rank, group_name, "ep", p.requires_grad)
+        setattr(shard, EXPERT_ATTR, True)
+        setattr(shard, INFO_ATTR, ShardedParameter((fqn,), layout, group_name, mesh_dim="ep"))
         module._parameters[name] = shard
-        parametrize.register_parametrization(module, name, UnshardExperts(p.shape[0], group_name), unsafe=True)
+        full_shape = list(layout.full_shape)
+        read_through(module, name, lambda block, full_shape=full_shape: UNSHARD_EXPERTS(block.to_local(), full_shape,
+                                                                                         group_name))

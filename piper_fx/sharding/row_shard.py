@@ -1,8 +1,8 @@
 """Parameters sharded by rows over the data-parallel group (ZeRO-1/2/3).
 
-`prepare` replaces each parameter by its row shard (a new `nn.Parameter`, so a
-stock optimizer built afterwards keeps state only for the shard) and registers
-a parametrization that turns the shard back into the full tensor with the
+`prepare` replaces each parameter by its rows, a `Shard(0)` DTensor parameter
+on the dp mesh (`dtensor_params`, so a stock optimizer built afterwards keeps
+state only for them), whose reads turn it back into the full tensor with the
 `piper::unshard` op. Dynamo traces that op as a marker; the strategy passes
 lower it (and its backward, `piper::reduce_grad`) to collectives placed as the
 ZeRO level says. Used eagerly, outside `torch.compile`, the ops run their
@@ -18,10 +18,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import parametrize
 
 from ..collectives import lowering
 from ..compat import resolve_process_group
+from .dtensor_params import group_mesh, read_through, row_sharded_parameter
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,25 @@ class RowShardLayout:
     def shard_shape(self) -> tuple[int, ...]:
         return (self.shard_rows, *self.full_shape[1:])
 
+    def local_rows(self, group_rank: int) -> int:
+        """How many real rows rank `group_rank` holds (DTensor's uneven `Shard(0)`)."""
+        start = min(group_rank * self.shard_rows, self.rows)
+        return min(start + self.shard_rows, self.rows) - start
+
     def shard_of(self, full: torch.Tensor, group_rank: int) -> torch.Tensor:
         """The padded row shard that rank `group_rank` holds (a new tensor)."""
         rows = full.reshape(1, *full.shape) if full.dim() == 0 else full
         shard = rows.new_zeros(self.shard_shape)
         start = min(group_rank * self.shard_rows, self.rows)
-        stop = min(start + self.shard_rows, self.rows)
-        shard[: stop - start].copy_(rows[start:stop])
+        shard[: self.local_rows(group_rank)].copy_(rows[start:start + self.local_rows(group_rank)])
         return shard
+
+    def parameter(self, full: torch.Tensor, group_rank: int, group_name: str, mesh_dim: str,
+                  requires_grad: bool) -> nn.Parameter:
+        """Rank `group_rank`'s rows of `full` as a `Shard(0)` DTensor parameter on the group's
+        mesh, kept in their padded buffer (`dtensor_params`)."""
+        return row_sharded_parameter(self.shard_of(full, group_rank), self.local_rows(group_rank),
+                                     self.full_shape, group_mesh(group_name, mesh_dim), requires_grad)
 
 
 @dataclass(frozen=True)
@@ -63,12 +74,12 @@ class ShardedParameter:
     mesh_dim: str = "dp"  # "dp": a ZeRO shard; "ep": a block of experts (sharding.experts)
 
 
-# Kept on the shard Parameter itself, so it follows the object (and its deepcopies).
-_INFO_ATTR = "_piper_sharded"
+# Kept on the DTensor Parameter itself, so it follows the object (and its deepcopies).
+INFO_ATTR = "_piper_sharded"
 
 
 def sharded_parameter_info(t: object) -> ShardedParameter | None:
-    return getattr(t, _INFO_ATTR, None) if isinstance(t, nn.Parameter) else None
+    return getattr(t, INFO_ATTR, None) if isinstance(t, nn.Parameter) else None
 
 
 def define_row_markers(gather_name: str, reduce_name: str):
@@ -79,15 +90,22 @@ def define_row_markers(gather_name: str, reduce_name: str):
     - `piper::<reduce_name>(grad, shard_rows, group_name)`: this rank's rows of
       the group-averaged gradient (a reduce-scatter); the gather's backward.
 
+    `shard` is this rank's rows, padded (as the program reads them) or not (a
+    DTensor's local rows, read eagerly); the reduction gives back as many rows.
+
     Dynamo traces them as opaque ops that the passes find by target and lower
     as the strategy says; run eagerly (outside `torch.compile`) they do their
     collectives, so a prepared model still works as a plain module.
     """
     def gather(shard: torch.Tensor, full_shape: list[int], group_name: str) -> torch.Tensor:
-        return lowering.gather_rows(shard, full_shape, _group_size(group_name), group_name).clone()
+        size = _group_size(group_name)
+        padded = lowering.pad_rows(shard, RowShardLayout(tuple(full_shape), size).shard_rows)
+        return lowering.gather_rows(padded, full_shape, size, group_name).clone()
 
     def reduce(grad: torch.Tensor, shard_rows: int, group_name: str) -> torch.Tensor:
-        return lowering.reduce_scatter_rows(grad, shard_rows, _group_size(group_name), group_name).clone()
+        size = _group_size(group_name)
+        padded_rows = RowShardLayout(tuple(grad.shape), size).shard_rows
+        return lowering.reduce_scatter_rows(grad, padded_rows, size, group_name)[:shard_rows].clone()
 
     gather_op = torch.library.custom_op(f"piper::{gather_name}", gather, mutates_args=())
     reduce_op = torch.library.custom_op(f"piper::{reduce_name}", reduce, mutates_args=())
@@ -113,35 +131,20 @@ def _group_size(group_name: str) -> int:
 UNSHARD, REDUCE_GRAD = define_row_markers("unshard", "reduce_grad")
 
 
-class Unshard(nn.Module):
-    """Parametrization: row shard -> full parameter."""
-
-    def __init__(self, full_shape: tuple[int, ...], group_name: str):
-        super().__init__()
-        self.full_shape = list(full_shape)
-        self.group_name = group_name
-
-    def forward(self, shard: torch.Tensor) -> torch.Tensor:
-        return UNSHARD(shard, self.full_shape, self.group_name)
-
-
 def shard_parameters(model: nn.Module, group_name: str, group_size: int, group_rank: int,
                      keep: Callable[[nn.Parameter], bool] = lambda p: False) -> None:
-    """Replace every parameter of `model` but those `keep` selects by its row shard, in place.
+    """Replace every parameter of `model` but those `keep` selects (and 0-d ones, which
+    have no rows to split) by this rank's rows, a `Shard(0)` DTensor parameter, in place.
 
     Tied parameters (one `Parameter` held by several modules) stay tied: they
-    get one shard, parametrized in every module that holds it.
+    get one DTensor parameter, read through `piper::unshard` in every module that holds it.
     """
     owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
     originals: dict[int, nn.Parameter] = {}
     seen: set[tuple[int, str]] = set()
     for module_name, module in model.named_modules(remove_duplicate=False):
-        if parametrize.is_parametrized(module):
-            raise ValueError(
-                f"module {module_name or '<root>'} already has a parametrization; "
-                "piper_fx cannot shard it (prepare was called twice, or the model uses one of its own)")
         for name, p in module._parameters.items():
-            if p is None or (id(module), name) in seen or keep(p):
+            if p is None or p.dim() == 0 or (id(module), name) in seen or keep(p):
                 continue
             seen.add((id(module), name))
             fqn = f"{module_name}.{name}" if module_name else name
@@ -150,8 +153,9 @@ def shard_parameters(model: nn.Module, group_name: str, group_size: int, group_r
     for key, holders in owners.items():
         original = originals[key]
         layout = RowShardLayout(tuple(original.shape), group_size)
-        shard = nn.Parameter(layout.shard_of(original.detach(), group_rank), requires_grad=original.requires_grad)
-        setattr(shard, _INFO_ATTR, ShardedParameter(tuple(fqn for fqn, _, _ in holders), layout, group_name))
+        shard = layout.parameter(original.detach(), group_rank, group_name, "dp", original.requires_grad)
+        setattr(shard, INFO_ATTR, ShardedParameter(tuple(fqn for fqn, _, _ in holders), layout, group_name))
+        full_shape = list(layout.full_shape)
         for _, module, name in holders:
             module._parameters[name] = shard
-            parametrize.register_parametrization(module, name, Unshard(layout.full_shape, group_name), unsafe=True)
+            read_through(module, name, lambda p, full_shape=full_shape: UNSHARD(p.to_local(), full_shape, group_name))

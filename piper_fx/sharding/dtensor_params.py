@@ -1,0 +1,123 @@
+"""Parameters as DTensors: how `prepare` holds a sharded parameter, and how the program reads it.
+
+A parameter that `prepare` shards (a ZeRO shard over dp, a block of experts
+over ep) becomes an `nn.Parameter` holding a `DTensor` placed `Shard(0)` on
+the group's mesh, with DTensor's uneven split (rank i holds rows
+[i*ceil(R/n), ...), the last ranks fewer or none). So a stock optimizer built
+afterwards keeps DTensor state of this rank's rows, as with FSDP2, and
+PyTorch's `state_dict`, `torch.distributed.checkpoint` and
+`clip_grad_norm_` see the parameter's real placement.
+
+The module keeps the parameter under its own name (`state_dict()` keys are
+the model's); reading the attribute goes through a property of a subclass of
+the module's class made for that module (as SimpleFSDP does), which turns the
+local rows into the full tensor with a marker op (`piper::unshard`,
+`piper::unshard_experts`). Dynamo traces that read as `to_local()` of the
+DTensor placeholder and the marker; `capture` drops the `to_local()` and
+traces the program with the plain padded rows (`program_tensor`): every rank's
+piece of the same size, as the all-gathers need. Each padded row buffer is
+kept with its parameter, the DTensor's local tensor a view of its first rows,
+so the program reads the very storage the optimizer updates.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..compat import resolve_process_group
+from .mesh import process_group_device_type
+
+# The 1-D mesh of each process group a parameter is placed on, by the group itself.
+_GROUP_MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, DeviceMesh] = weakref.WeakKeyDictionary()
+
+
+def group_mesh(group_name: str, dim_name: str) -> DeviceMesh:
+    """The 1-D device mesh over the process group `group_name` (one per group)."""
+    group = resolve_process_group(group_name)
+    if group not in _GROUP_MESHES:
+        _GROUP_MESHES[group] = DeviceMesh.from_group(group, process_group_device_type(), mesh_dim_names=(dim_name,))
+    return _GROUP_MESHES[group]
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+# Each sharded parameter's padded rows: its DTensor's local tensor is a view of their first rows.
+_PADDED_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def row_sharded_parameter(padded: torch.Tensor, local_rows: int, global_shape: tuple[int, ...],
+                          mesh: DeviceMesh, requires_grad: bool) -> nn.Parameter:
+    """A parameter holding `padded[:local_rows]` as this rank's rows of a `Shard(0)`
+    DTensor of `global_shape` on `mesh` (sharing `padded`'s storage)."""
+    local = padded.narrow(0, 0, local_rows)
+    value = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(global_shape),
+                               stride=contiguous_strides(global_shape))
+    parameter = nn.Parameter(value, requires_grad=requires_grad)
+    _PADDED_ROWS[parameter] = padded
+    return parameter
+
+
+def program_tensor(parameter: torch.Tensor) -> torch.Tensor:
+    """The plain tensor the compiled program reads for `parameter`: for a row-sharded
+    DTensor, this rank's rows padded to the group's common shard size (the buffer they
+    live in, or a padded copy if the parameter's storage was replaced, e.g. by
+    `model.to`); for another DTensor its local tensor; a plain tensor as it is."""
+    if not isinstance(parameter, DTensor):
+        return parameter
+    local = parameter._local_tensor
+    padded = _PADDED_ROWS.get(parameter)
+    if padded is None:
+        return local
+    if (local.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr()
+            and local.storage_offset() == padded.storage_offset() and local.stride() == padded.stride()):
+        return padded
+    copy = local.new_zeros(padded.shape)
+    copy[: local.shape[0]].copy_(local)
+    return copy
+
+
+def parameter_grad(parameter: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The program's gradient `grad` for `parameter` (of `program_tensor`'s shape), as the
+    parameter's own gradient: for a DTensor, a DTensor of the same placement without
+    the padding rows."""
+    if not isinstance(parameter, DTensor):
+        return grad
+    local = parameter._local_tensor
+    return DTensor.from_local(grad.narrow(0, 0, local.shape[0]) if local.dim() else grad,
+                              parameter.device_mesh, parameter.placements, run_check=False,
+                              shape=parameter.shape, stride=parameter.stride())
+
+
+def read_through(module: nn.Module, name: str, read: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Make reading `module.<name>` return `read(the parameter)`, the parameter staying
+    registered under `name` (so `named_parameters` and `state_dict` keep their keys).
+
+    A property on a subclass of the module's class made for this module alone (its
+    `__class__` is swapped once); `read` runs eagerly and under Dynamo alike.
+    """
+    cls = type(module)
+    if not getattr(cls, _OWN_CLASS, False):
+        cls = type(cls.__name__, (cls,), {_OWN_CLASS: True, "__module__": cls.__module__})
+        module.__class__ = cls
+    setattr(cls, name, property(lambda self: read(self._parameters[name])))
+
+
+_OWN_CLASS = "_piper_reads_through"
+
+
+def reads_through(module: nn.Module) -> bool:
+    """Whether `read_through` gave `module` its own class."""
+    return getattr(type(module), _OWN_CLASS, False)
