@@ -34,16 +34,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..compat import resolve_process_group
 from .mesh import process_group_device_type
 
-# The 1-D mesh of each process group a parameter is placed on, by the group itself.
-_GROUP_MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, DeviceMesh] = weakref.WeakKeyDictionary()
+# The 1-D meshes parameters are placed on, by process group and dimension name (dp and ep
+# may be the very same ranks, even the same group, and still name different dimensions).
+_GROUP_MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, DeviceMesh]] = weakref.WeakKeyDictionary()
 
 
 def group_mesh(group_name: str, dim_name: str) -> DeviceMesh:
-    """The 1-D device mesh over the process group `group_name` (one per group)."""
+    """The 1-D device mesh named `dim_name` over the process group `group_name` (one per pair)."""
     group = resolve_process_group(group_name)
-    if group not in _GROUP_MESHES:
-        _GROUP_MESHES[group] = DeviceMesh.from_group(group, process_group_device_type(), mesh_dim_names=(dim_name,))
-    return _GROUP_MESHES[group]
+    meshes = _GROUP_MESHES.setdefault(group, {})
+    if dim_name not in meshes:
+        meshes[dim_name] = DeviceMesh.from_group(group, process_group_device_type(), mesh_dim_names=(dim_name,))
+    return meshes[dim_name]
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
