@@ -25,7 +25,7 @@ from .prepare import check_prepared
 from .runtime.executor import ProgramExecutor
 from .runtime.step import CompiledStep
 from .schedules import svg, text_grid
-from .sharding.holdings import Holding, has_holding, record_holding, record_pipeline_trainer
+from .sharding.holdings import Holding, has_holding, record_holding, record_pipeline_trainer, release
 from .sharding.mesh import dp_group_name, pp_group_name
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.specs import placement_table
@@ -75,6 +75,18 @@ def record_compiled_holdings(dag, example_inputs: list, strategy: Strategy) -> N
             record_pipeline_trainer(parameter, holders[0], pp_group_name(strategy))
 
 
+def release_other_stages(dag, example_inputs: list, strategy: Strategy) -> None:
+    """Under a pipeline, free the storage of every parameter no stage of this rank reads:
+    a rank holds the parameters of the stages it runs, not the whole model's."""
+    if strategy.pp == 1:
+        return
+    for graph_input in dag.inputs:
+        holders = dag.parameter_holders.get(graph_input.name)
+        if graph_input.role in (InputRole.PARAM, InputRole.PARAM_SHARD) and holders \
+                and strategy.pp_index not in holders:
+            release(example_inputs[graph_input.arg_index])
+
+
 def check_one_device(example_inputs: list) -> torch.device | None:
     """The device of the model's parameters, where this rank computes: raise a
     `PiperError` naming both devices if the parameters span several, or if a
@@ -107,6 +119,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     replicated = [i.arg_index for i in dag.inputs if i.role in (InputRole.PARAM, InputRole.BUFFER)]
     broadcast_from_first_replica([example_inputs[i] for i in replicated], dag.dp_group)
     record_compiled_holdings(dag, example_inputs, strategy)
+    release_other_stages(dag, example_inputs, strategy)
     program = dag.programs[strategy.rank]
     dump.write("program.txt", program.render())
     dump.write("schedule.txt", text_grid(dag.schedule))

@@ -5,9 +5,10 @@ unprepared model's state dict (every name, tied parameters under each of
 theirs, persistent buffers), the optimizer's state dict in the layout of
 `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` (keyed by
 each parameter's first name), the step count and rank 0's RNG state. Each
-rank hands DCP what it holds, as `sharding/holdings.py` records it: a ZeRO
-shard or a block of experts as a `DTensor` view of its rows, a whole
-parameter as itself. DCP writes each piece once (replicas are deduplicated)
+rank hands DCP what it holds: a ZeRO shard or a block of experts as the
+`DTensor` parameter it is (`sharding/dtensor_params.py`), a whole parameter
+as itself, and under a pipeline only what it keeps current
+(`sharding/holdings.py`). DCP writes each piece once (replicas are deduplicated)
 and, on load, reads into each rank whatever part of the saved pieces the
 current layout needs, so a checkpoint saved under one strategy (or by a plain
 process) loads under any other (or into a plain model).
@@ -25,7 +26,8 @@ Guarantees:
     keys; each parameter and each optimizer state comes from a rank that
     keeps it current;
   - loading, before or after compiling, leaves every parameter and optimizer
-    state of this rank's layout (all of them, current or not) holding the
+    state of this rank's layout (all it stores, current or not: after
+    compiling under a pipeline, not those of other ranks' stages) holding the
     saved values, the parameter groups' hyperparameters restored, and the
     RNG (CPU, and the model's accelerator if the checkpoint has its state) set
     to rank 0's at saving; it returns the saved step. Written in place: the
@@ -52,7 +54,7 @@ from torch import nn
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .compat import _init_optim_state
-from .sharding.holdings import Holding, held_parameters
+from .sharding.holdings import Holding, held_parameters, is_stored
 
 MODEL, OPTIMIZER, STEP, RNG = "model", "optimizer", "step", "rng"
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
@@ -66,7 +68,7 @@ def _model_entries(model: nn.Module, current_only: bool) -> dict[str, tuple[torc
     entries: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for fqn, value in model.state_dict(keep_vars=True).items():
         holding = holdings.get(id(value))
-        if holding is not None and current_only and not holding.current:
+        if holding is not None and (not holding.stored or (current_only and not holding.current)):
             continue
         entries[fqn] = _piece(value.detach())
     return entries
@@ -113,9 +115,9 @@ def _optimizer_entries(model: nn.Module, optimizer: torch.optim.Optimizer, curre
 
 @torch.no_grad()
 def model_state_dict(model: nn.Module, *, current_only: bool = True) -> dict[str, torch.Tensor]:
-    """The unprepared model's state dict as this rank holds it, for DCP: every name
-    (tied parameters under each), persistent buffers too; a sharded parameter as a
-    `DTensor` view of its rows (sharing its storage), a whole one as itself. With
+    """The model's state dict as this rank holds it, for DCP: every name (tied
+    parameters under each), persistent buffers too; a sharded parameter as the
+    `DTensor` it is, a whole one as itself. With
     `current_only`, without the parameters this rank does not keep current (under a
     pipeline, those its stages do not train)."""
     return {fqn: value for fqn, (value, _) in _model_entries(model, current_only).items()}
@@ -200,18 +202,24 @@ class _WriteThroughPlanner(dcp.DefaultLoadPlanner):
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter of `optimizer` that trains a state (a step with zero gradients at
-    lr 0) if one has none yet; the states it has and the gradients are kept as they are."""
+    """Give every parameter of `optimizer` that trains and that this rank stores a state (a step
+    with zero gradients at lr 0) if one has none yet; the states it has and the gradients are
+    kept as they are."""
     params = [p for group in optimizer.param_groups for p in group[_PARAMS]]
-    if all(p in optimizer.state for p in params if p.requires_grad):
+    if all(p in optimizer.state for p in params if p.requires_grad and is_stored(p)):
         return
     kept, grads = dict(optimizer.state), [p.grad for p in params]
+    all_params = [group[_PARAMS] for group in optimizer.param_groups]
     optimizer.state.clear()
     for p in params:
         p.grad = None
+    for group in optimizer.param_groups:  # a released parameter (another stage's) has no values to step
+        group[_PARAMS] = [p for p in group[_PARAMS] if is_stored(p)]
     try:
         _init_optim_state(optimizer)
     finally:
+        for group, group_params in zip(optimizer.param_groups, all_params):
+            group[_PARAMS] = group_params
         for p, grad in zip(params, grads):
             p.grad = grad
         optimizer.state.update(kept)

@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .compat import resolve_process_group
-from .sharding.holdings import holding_of
+from .sharding.holdings import holding_of, is_stored
 
 
 def _from_owner(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
@@ -33,7 +33,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     state: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict(keep_vars=True).items():
-        if isinstance(value, nn.Parameter):
+        if isinstance(value, nn.Parameter) and not is_stored(value):  # a stage this rank does not run
+            state[name] = _from_owner(torch.empty(value.shape, dtype=value.dtype, device=value.device), value)
+        elif isinstance(value, nn.Parameter):
             full = value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
             state[name] = _from_owner(full, value)
         else:

@@ -66,12 +66,19 @@ def test_pipeline_with_data_parallel_zero():
         for rank, runs in enumerate(results):
             placements = set(runs[index]["placements"].values())
             assert placements == {"dp:Shard(dim=0)" if zero else "plain"}, (zero, rank, placements)
-        # Ranks 0 and 2 (and 1 and 3) are one pipeline: each keeps optimizer state only for its stage's
-        # parameters, none for the other stage's.
+        # Ranks 0 and 2 (and 1 and 3) are one pipeline: each keeps parameters and optimizer state only for
+        # its stage's parameters, none for the other stage's (whose storage it released when compiling).
+        full = results[0][index]["full_param_bytes"]
         for first, second in ((0, 2), (1, 3)):
             owned = [set(results[r][index]["params_with_state"]) for r in (first, second)]
             assert owned[0] and owned[1] and not owned[0] & owned[1], (zero, owned)
             assert owned[0] | owned[1] == set(results[first][index]["all_params"]), zero
+            stored = [results[r][index]["stored_param_bytes"] for r in (first, second)]
+            if zero == 0:  # whole parameters: the two stages' make up the model, once
+                assert sum(stored) == full and max(stored) < 0.8 * full, (zero, stored, full)
+        if zero:  # rows over dp2 (padded to equal shards): the four ranks' make up the model, once
+            stored = [runs[index]["stored_param_bytes"] for runs in results]
+            assert full <= sum(stored) <= 1.1 * full and max(stored) < 0.4 * full, (zero, stored, full)
 
 
 def test_1f1b_holds_about_p_over_m_of_gpipes_activations_on_the_first_stage():

@@ -145,6 +145,8 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
                              if isinstance(value, torch.Tensor) and value.dim() > 0},
         "reference_state_bytes": optimizer_state_bytes(ref_opt),
         "local_param_bytes": local_bytes(model.parameters()),
+        # Bytes of parameter storage this rank keeps (a pipeline rank: its stages' parameters only).
+        "stored_param_bytes": sum(local(p).untyped_storage().nbytes() for p in model.parameters()),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
     }
 
@@ -349,7 +351,7 @@ def stats_worker(rank: int, world: int, options: dict, steps: int = 3) -> dict:
     model = GPT(cfg)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     piper_fx.prepare(model, options)
-    shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    shard_bytes = local_bytes(model.parameters())
     step = torch.compile(model, backend="piper", options=options)
     stats = []
     for i in range(steps):

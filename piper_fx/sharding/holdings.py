@@ -3,8 +3,9 @@
 A parameter of a piper_fx model is held by a rank in one of three ways: whole
 (a replica, as under plain data parallelism), as its rows over a group (a
 `Shard(0)` DTensor parameter, `dtensor_params`: ZeRO's dp group, or the ep
-group for a block of experts), and, under a pipeline, possibly stale (ranks
-whose stages do not read it never update it). `prepare` records a `Holding`
+group for a block of experts), and, under a pipeline, not at all: the
+parameters of stages a rank does not run keep their objects (the model is
+whole on every rank) but not their storage, released when the step is compiled. `prepare` records a `Holding`
 for every parameter it lays out and the backend completes it when it compiles
 (replicas of a model compiled without `prepare`, the pipeline rank that
 trains each parameter). Kept here, keyed by the parameter's identity for as
@@ -37,11 +38,12 @@ class Holding:
     shard_group: str | None = None    # dim 0 split over this group (a `Shard(0)` DTensor); None: held whole
     replica_group: str | None = None  # ranks holding the very same piece; None: no other
     pipeline: tuple[int, str] | None = None  # (pipeline rank that trains it, pp group) under a pipeline
+    stored: bool = True  # False: no stage of this rank reads it, and its storage was released
 
     @property
     def current(self) -> bool:
         """Whether this rank holds an up-to-date copy of its piece: under a pipeline, only the trainer does."""
-        return self.pipeline is None or _group_rank(self.pipeline[1]) == self.pipeline[0]
+        return self.stored and (self.pipeline is None or _group_rank(self.pipeline[1]) == self.pipeline[0])
 
     @property
     def counted(self) -> bool:
@@ -82,6 +84,20 @@ def holding_of(parameter: torch.Tensor) -> Holding:
 
 def record_pipeline_trainer(parameter: torch.Tensor, pp_rank: int, pp_group_name: str) -> None:
     record_holding(parameter, replace(holding_of(parameter), pipeline=(pp_rank, pp_group_name)))
+
+
+def release(parameter: torch.Tensor) -> None:
+    """Free the storage of a parameter this rank never reads (a pipeline stage it does not run):
+    the object, its shape and its place in the optimizer stay, its values are gone (as FSDP frees
+    a sharded parameter's storage). Record it, so readers of values skip it."""
+    record_holding(parameter, replace(holding_of(parameter), stored=False))
+    local = Holding.local(parameter)
+    if local.device.type != "meta":
+        local.untyped_storage().resize_(0)
+
+
+def is_stored(parameter: torch.Tensor) -> bool:
+    return holding_of(parameter).stored
 
 
 @dataclass(frozen=True)
