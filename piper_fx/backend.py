@@ -21,6 +21,7 @@ from .ir import InputRole, TrainingDAG
 from .options import Strategy, parse_options_on_all_ranks
 from .passes import run_passes
 from .passes.functionalize_random import step_randomness
+from .philox import attach_stream
 from .prepare import check_prepared
 from .runtime.executor import ProgramExecutor
 from .runtime.step import CompiledStep
@@ -126,6 +127,10 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     dump.write("schedule.svg", svg(dag.schedule))
     compiled = compile_program(program, strategy.codegen, dump, time_waits=strategy.profile)
 
+    randomness = step_randomness(dag, strategy)
+    if randomness is not None:  # the model's dropout stream, which checkpoints save and restore
+        attach_stream([example_inputs[i.arg_index] for i in dag.inputs
+                       if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)], randomness)
     seed = next((i for i in dag.inputs if i.role is InputRole.TANGENT), None)
     seed_val = dag.placeholders()[seed.name].meta["val"] if seed is not None else None
     num_user_outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
@@ -137,7 +142,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
         num_user_outputs,
         {i.arg_index: tuple(example_inputs[i.arg_index].shape) for i in dag.inputs if i.role is InputRole.INPUT},
         dump,
-        randomness=step_randomness(dag, strategy),
+        randomness=randomness,
     )
 
 

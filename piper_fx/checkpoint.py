@@ -4,7 +4,8 @@ A checkpoint is what single-process PyTorch would save, in pieces: the
 unprepared model's state dict (every name, tied parameters under each of
 theirs, persistent buffers), the optimizer's state dict in the layout of
 `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` (keyed by
-each parameter's first name), the step count and rank 0's RNG state. Each
+each parameter's first name), the step count, rank 0's RNG state and the
+dropout stream of the model's compiled step, if it has random ops. Each
 rank hands DCP what it holds: a ZeRO shard or a block of experts as the
 `DTensor` parameter it is (`sharding/dtensor_params.py`), a whole parameter
 as itself, and under a pipeline only what it keeps current
@@ -30,12 +31,11 @@ Guarantees:
     compiling under a pipeline, not those of other ranks' stages) holding the
     saved values, the parameter groups' hyperparameters restored, and the
     RNG (CPU, and the model's accelerator if the checkpoint has its state) set
-    to rank 0's at saving; it returns the saved step. Written in place: the
+    to rank 0's at saving, and the model's dropout stream (`philox.py`: the
+    key and step count of its compiled step, now or when it is compiled)
+    continuing the saved one; it returns the saved step. Written in place: the
     parameters stay the objects the optimizer and the compiled step hold.
-Known limits: dropout's random stream (`philox.py`: a key chosen when the step
-is compiled, and the step count the compiled step keeps) is not part of the
-checkpoint, so a resumed model with dropout draws other masks than the
-uninterrupted one. Buffers are saved from every rank as they are (a buffer a
+Known limits: Buffers are saved from every rank as they are (a buffer a
 pipeline stage changes is not taken from its stage). Optimizer states of a
 sharded parameter must be scalars or have the parameter's shape (Adam, SGD
 and the like); any other shape is refused.
@@ -54,10 +54,12 @@ from torch import nn
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .compat import _init_optim_state
+from .philox import restore_stream, stream_state
 from .sharding.holdings import Holding, held_parameters, is_stored
 
-MODEL, OPTIMIZER, STEP, RNG = "model", "optimizer", "step", "rng"
+MODEL, OPTIMIZER, STEP, RNG, DROPOUT = "model", "optimizer", "step", "rng", "dropout"
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
+_STREAM = ("seed", "step")  # the dropout stream's state, as `philox.stream_state` gives it
 
 
 # ---- State dicts: what this rank holds, as pieces of the unprepared model's tensors.
@@ -165,14 +167,17 @@ def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                     step: int | None = None) -> None:
-    """Save `model` (and `optimizer`, the step count and rank 0's RNG state) to the
-    directory `path` with DCP, each piece from a rank that keeps it current.
+    """Save `model` (and `optimizer`, the step count, rank 0's RNG state and the dropout
+    stream) to the directory `path` with DCP, each piece from a rank that keeps it current.
     Collective under a process group: every rank calls it."""
     state: dict[str, Any] = {MODEL: model_state_dict(model), STEP: step}
     if optimizer is not None:
         state[OPTIMIZER] = optimizer_state_dict(model, optimizer)
     if _rank() == 0:  # the other ranks leave it out, so the checkpoint's is rank 0's
         state[RNG] = _rng_states(_model_device(model))
+    stream = stream_state(list(model.parameters()))
+    if stream is not None:  # the same on every rank
+        state[DROPOUT] = {key: torch.tensor(value, dtype=torch.int64) for key, value in zip(_STREAM, stream)}
     with _single_process_is_meant():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(path)))
 
@@ -288,9 +293,13 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     if rng:
         state[RNG] = rng
         destinations.update({(RNG, kind): value for kind, value in rng.items()})
+    if f"{DROPOUT}.{_STREAM[0]}" in saved:
+        state[DROPOUT] = {key: torch.zeros((), dtype=torch.int64) for key in _STREAM}
     with _single_process_is_meant():
         dcp.load(state, storage_reader=dcp.FileSystemReader(os.fspath(path)),
                  planner=_WriteThroughPlanner(destinations))
+    if DROPOUT in state:
+        restore_stream(list(model.parameters()), *(int(state[DROPOUT][key]) for key in _STREAM))
     if optimizer is not None:
         _restore_optimizer(model, optimizer, state[OPTIMIZER])
     device = _model_device(model)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 MASK32 = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57   # Philox-4x32 multipliers
@@ -85,20 +86,59 @@ def normal(rng: torch.Tensor, op_index, *, shape, per_sample: int, dtype: torch.
 class StepRandomness:
     """What a compiled step feeds a graph's random ops, per microbatch.
 
-    `seed` is the same on every rank; the step count makes each step draw anew;
-    a microbatch's first sample is its index in the global batch (over
-    data-parallel replicas and microbatches), which counters are offset by.
+    `seed` is the same on every rank; the step count (`step`, the steps drawn
+    so far) makes each step draw anew; a microbatch's first sample is its index
+    in the global batch (over data-parallel replicas and microbatches), which
+    counters are offset by. `seed` and `step` are the stream's whole state:
+    what a checkpoint keeps (`stream_state`, `restore_stream`).
     """
 
     seed: int
     samples_per_microbatch: int
     first_sample: int  # of this replica's batch: its data-parallel index * its batch size
     device: torch.device
+    step: int = 0
 
-    def microbatch_inputs(self, step: int, microbatches: int) -> list[torch.Tensor]:
-        rows = [[self.seed & MASK32, (self.seed >> 32) & MASK32, step & MASK32,
+    def next_inputs(self, microbatches: int) -> list[torch.Tensor]:
+        """The RNG input of each microbatch of the next step; counts the step."""
+        rows = [[self.seed & MASK32, (self.seed >> 32) & MASK32, self.step & MASK32,
                  self.first_sample + m * self.samples_per_microbatch] for m in range(microbatches)]
+        self.step += 1
         return list(torch.tensor(rows, dtype=torch.int64, device=self.device).unbind())
+
+
+# The random stream of each compiled step, by the parameters it trains (what a checkpoint of the
+# model saves), and streams loaded from a checkpoint before the step that continues them was compiled.
+_STREAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_PENDING: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def attach_stream(parameters: list[torch.Tensor], randomness: StepRandomness) -> None:
+    """Make `randomness` the stream of the model whose `parameters` its step trains, continuing
+    a stream `restore_stream` loaded for them before the step was compiled."""
+    pending = next((_PENDING[p] for p in parameters if p in _PENDING), None)
+    if pending is not None:
+        randomness.seed, randomness.step = pending
+    for p in parameters:
+        _PENDING.pop(p, None)
+        _STREAMS[p] = randomness
+
+
+def stream_state(parameters: list[torch.Tensor]) -> tuple[int, int] | None:
+    """(seed, steps drawn) of the stream of the step training `parameters`, if it has random ops."""
+    stream = next((_STREAMS[p] for p in parameters if p in _STREAMS), None)
+    return (stream.seed, stream.step) if stream is not None else None
+
+
+def restore_stream(parameters: list[torch.Tensor], seed: int, step: int) -> None:
+    """Continue the stream (seed, steps drawn) in the step training `parameters`: now if it is
+    compiled, else when it is."""
+    stream = next((_STREAMS[p] for p in parameters if p in _STREAMS), None)
+    if stream is not None:
+        stream.seed, stream.step = seed, step
+    else:
+        for p in parameters:
+            _PENDING[p] = (seed, step)
 
 
 def draw_seed(device: torch.device) -> int:

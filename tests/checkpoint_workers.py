@@ -25,6 +25,7 @@ SAVE_AFTER, STEPS = 3, 6
 ZERO3 = {"zero": 3, "codegen": "eager"}
 PP2_1F1B = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "1f1b", "microbatches": 2}}
 OPTIMIZERS = ("sgd", "adamw_eps")
+DROPOUT = "dropout"  # a GPT with dropout, SGD, saved and resumed at ZeRO-3
 TORCH_API = "torch_api"  # AdamW saved and resumed with torch.distributed.checkpoint.state_dict's functions
 
 
@@ -99,7 +100,24 @@ def train_and_save_worker(rank: int, world: int, root: str) -> dict:
         results[name] = {"local_losses": first_local + last_local, "losses": first_mean + last_mean,
                          "final": full_numpy(model), "rng_at_save": rng_at_save, "save_changed_nothing": unchanged}
     torch._dynamo.reset()
+
+    # A model with dropout: its masks come from the compiled step's stream, which the checkpoint keeps.
+    model = build_dropout(seed=0)
+    opt = make_optimizer("sgd", model.parameters())
+    step = compiled(model, ZERO3)
+    first, _ = train(step, opt, ZERO3, range(SAVE_AFTER), rank, world)
+    save_checkpoint(os.path.join(root, DROPOUT), model, opt, step=SAVE_AFTER)
+    last, _ = train(step, opt, ZERO3, range(SAVE_AFTER, STEPS), rank, world)
+    results[DROPOUT] = {"local_losses": first + last, "final": full_numpy(model)}
+    torch._dynamo.reset()
     return results
+
+
+def build_dropout(seed: int):
+    from models import DropoutGPT
+
+    torch.manual_seed(seed)
+    return piper_fx.prepare(DropoutGPT(0.1), ZERO3)
 
 
 def resume_worker(rank: int, world: int, root: str) -> dict:
@@ -125,6 +143,19 @@ def resume_worker(rank: int, world: int, root: str) -> dict:
             "local_param_bytes": local_bytes(model.parameters()),
             "full_param_bytes": sum(p.numel() * p.element_size() for p in GPT(config()).parameters()),
         }
+    torch._dynamo.reset()
+
+    # The dropout model, loaded before compiling (the stream waits for its step), then again into
+    # the compiled and trained model (the stream is rewound in place).
+    model = build_dropout(seed=400 + rank)
+    opt = make_optimizer("sgd", model.parameters())
+    load_checkpoint(os.path.join(root, DROPOUT), model, opt)
+    step = compiled(model, ZERO3)
+    before_compile, _ = train(step, opt, ZERO3, range(SAVE_AFTER, STEPS), rank, world)
+    load_checkpoint(os.path.join(root, DROPOUT), model, opt)
+    after_compile, _ = train(step, opt, ZERO3, range(SAVE_AFTER, STEPS), rank, world)
+    results[DROPOUT] = {"loaded_before_compiling": before_compile, "loaded_after_compiling": after_compile,
+                        "final": full_numpy(model)}
     torch._dynamo.reset()
 
     # PyTorch's own get_state_dict / dcp.load / set_state_dict into a fresh model and optimizer.

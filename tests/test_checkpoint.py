@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 import piper_fx.checkpoint
-from checkpoint_workers import (GLOBAL_BATCH, OPTIMIZERS, SAVE_AFTER, STEPS, TORCH_API, config, resume_worker,
+from checkpoint_workers import (DROPOUT, GLOBAL_BATCH, OPTIMIZERS, SAVE_AFTER, STEPS, TORCH_API, config, resume_worker,
                                 resume_zero1_worker, train_and_save_worker)
 from examples.gpt import GPT
 from piper_fx.checkpoint import load_checkpoint, save_checkpoint
@@ -73,6 +73,17 @@ def test_resume_under_the_same_strategy_is_bit_exact(saved, resumed):
             # Every rank resumes with rank 0's RNG state, not its own.
             assert not np.array_equal(after["rng_before_load"], rng_at_save)
             assert np.array_equal(after["rng_after_load"], rng_at_save), (name, rank)
+
+
+def test_resume_with_dropout_continues_the_same_masks_bit_exact(saved, resumed):
+    for rank in range(2):
+        before, after = saved[rank][DROPOUT], resumed[rank][DROPOUT]
+        tail = before["local_losses"][SAVE_AFTER:]
+        assert after["loaded_before_compiling"] == tail and after["loaded_after_compiling"] == tail, rank
+        for key, value in before["final"].items():
+            assert np.array_equal(after["final"][key], value), (rank, key)
+    # Dropout is on: the steps' losses are not those of a model without it (each rank's differ anyway).
+    assert saved[0][DROPOUT]["local_losses"] != saved[0]["sgd"]["local_losses"]
 
 
 def test_pytorchs_own_get_state_dict_dcp_and_set_state_dict_resume_bit_exact(saved, resumed):

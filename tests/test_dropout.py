@@ -124,15 +124,15 @@ def test_philox_known_answers():
 def test_uniform_values_depend_only_on_the_global_sample():
     """A microbatch's values are the rows of the whole batch's that its samples have; they are
     uniform on [0, 1) and differ between ops and steps."""
-    stream = StepRandomness(seed=12345, samples_per_microbatch=8, first_sample=0, device=torch.device("cpu"))
-    (whole,) = stream.microbatch_inputs(step=3, microbatches=1)
+    stream = StepRandomness(seed=12345, samples_per_microbatch=8, first_sample=0, device=torch.device("cpu"), step=3)
+    (whole,) = stream.next_inputs(microbatches=1)
     full = uniform(whole, torch.tensor(2), shape=(8, 5, 7), per_sample=35, dtype=torch.float32)
-    split = StepRandomness(seed=12345, samples_per_microbatch=2, first_sample=0, device=torch.device("cpu"))
+    split = StepRandomness(seed=12345, samples_per_microbatch=2, first_sample=0, device=torch.device("cpu"), step=3)
     parts = [uniform(rng, torch.tensor(2), shape=(2, 5, 7), per_sample=35, dtype=torch.float32)
-             for rng in split.microbatch_inputs(step=3, microbatches=4)]
+             for rng in split.next_inputs(microbatches=4)]
     assert torch.equal(torch.cat(parts), full)
     assert not torch.equal(uniform(whole, torch.tensor(3), shape=(8, 5, 7), per_sample=35, dtype=torch.float32), full)
-    (next_step,) = stream.microbatch_inputs(step=4, microbatches=1)
+    (next_step,) = stream.next_inputs(microbatches=1)  # step 4
     assert not torch.equal(uniform(next_step, torch.tensor(2), shape=(8, 5, 7), per_sample=35,
                                    dtype=torch.float32), full)
     many = uniform(whole, torch.tensor(0), shape=(200_000,), per_sample=1, dtype=torch.float32)

@@ -150,7 +150,7 @@ class CompiledStep:
                 chunks = self._microbatches(args[graph_input.arg_index])
                 values.update({(graph_input.name, m): chunk for m, chunk in enumerate(chunks)})
             elif graph_input.role is InputRole.RNG:
-                rng = self.randomness.microbatch_inputs(self.steps_run, self.microbatches)
+                rng = self.randomness.next_inputs(self.microbatches)
                 values.update({(graph_input.name, m): words for m, words in enumerate(rng)})
             else:  # a parameter (a DTensor's padded local rows) or a buffer
                 values[(graph_input.name, None)] = program_tensor(args[graph_input.arg_index])
