@@ -15,7 +15,7 @@ from .errors import PiperConfigError
 from .options import Strategy, parse_options_on_all_ranks
 from .sharding.experts import expert_parameters, is_expert_parameter, shard_experts
 from .sharding.holdings import Holding, held_parameters, record_holding
-from .sharding.mesh import dp_group_name, ep_group_name, expert_replica_group_name
+from .sharding.mesh import dp_group_name, expert_replica_group_name, strategy_mesh
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.row_shard import shard_parameters, sharded_parameter_info
 
@@ -54,10 +54,9 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     if strategy.shards_parameters:
         # Experts shared out over ep are replicated over the dp/ep groups, never ZeRO-sharded on top;
         # with ep = 1 they are parameters like any other, sharded and reduced by ZeRO.
-        shard_parameters(model, group_name, strategy.dp, strategy.dp_index,
-                         keep=lambda p: strategy.ep > 1 and is_expert_parameter(p))
+        shard_parameters(model, strategy_mesh(strategy)["dp"], keep=lambda p: strategy.ep > 1 and is_expert_parameter(p))
     if experts:
-        shard_experts(model, ep_group_name(strategy), strategy.ep, strategy.ep_index)
+        shard_experts(model, strategy_mesh(strategy)["ep"])
     record_holdings(model, strategy)
     if strategy.microbatches > 1:
         model.register_forward_pre_hook(_mark_batch_dimension_dynamic)

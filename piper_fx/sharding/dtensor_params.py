@@ -21,32 +21,13 @@ so the program reads the very storage the optimizer updates.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
-
-from ..compat import resolve_process_group
-from .mesh import process_group_device_type
-
-# The 1-D meshes parameters are placed on, by process group and dimension name (dp and ep
-# may be the very same ranks, even the same group, and still name different dimensions).
-_GROUP_MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, DeviceMesh]] = weakref.WeakKeyDictionary()
-
-
-def group_mesh(group_name: str, dim_name: str) -> DeviceMesh:
-    """The 1-D device mesh named `dim_name` over the process group `group_name` (one per pair)."""
-    group = resolve_process_group(group_name)
-    meshes = _GROUP_MESHES.setdefault(group, {})
-    if dim_name not in meshes:
-        meshes[dim_name] = DeviceMesh.from_group(group, process_group_device_type(), mesh_dim_names=(dim_name,))
-    return meshes[dim_name]
-
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1

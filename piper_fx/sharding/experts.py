@@ -16,8 +16,8 @@ as a plain module.
 """
 from __future__ import annotations
 
-import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from .dtensor_params import read_through
 from .row_shard import INFO_ATTR, RowShardLayout, ShardedParameter, define_row_markers
@@ -51,17 +51,19 @@ def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if is_expert_parameter(p)}
 
 
-def shard_experts(model: nn.Module, group_name: str, group_size: int, group_rank: int) -> None:
-    """Replace every expert parameter of `model` by this rank's block of experts, in place.
+def shard_experts(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Replace every expert parameter of `model` by this rank's block of experts, a `Shard(0)`
+    DTensor parameter on the 1-D `mesh` (the strategy mesh's "ep"), in place.
 
-    Requires: each expert parameter's dim 0 divides by `group_size` (checked by `prepare`).
+    Requires: each expert parameter's dim 0 divides by the mesh's size (checked by `prepare`).
     """
+    group_name = mesh.get_group().group_name
     held = [(module_name, module, name, p) for module_name, module in model.named_modules()
             for name, p in module._parameters.items() if p is not None and is_expert_parameter(p)]
     for module_name, module, name, p in held:
         fqn = f"{module_name}.{name}" if module_name else name
-        layout = RowShardLayout(tuple(p.shape), group_size)
-        shard = layout.parameter(p.detach(), group_rank, group_name, "ep", p.requires_grad)
+        layout = RowShardLayout(tuple(p.shape), mesh.size())
+        shard = layout.parameter(p.detach(), mesh, p.requires_grad)
         setattr(shard, EXPERT_ATTR, True)
         setattr(shard, INFO_ATTR, ShardedParameter((fqn,), layout, group_name, mesh_dim="ep"))
         module._parameters[name] = shard

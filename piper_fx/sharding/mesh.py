@@ -2,9 +2,11 @@
 
 Rank layout: rank r has pipeline index r // dp and data-parallel
 index r % dp, i.e. a row-major ("pp", "dp") mesh, which is what
-`init_device_mesh` builds. The mesh is built for the device type the process
-group communicates on (`process_group_device_type`): "cuda" under NCCL, "cpu"
-under gloo.
+`init_device_mesh` builds; with experts, dp splits into ("expert_dp", "ep").
+One mesh per strategy names every group (`strategy_mesh`), and DTensor
+parameters sit on its "dp" or "ep" dimension. The mesh is built for the device
+type the process group communicates on (`process_group_device_type`): "cuda"
+under NCCL, "cpu" under gloo.
 """
 from __future__ import annotations
 
@@ -33,60 +35,63 @@ def process_group_device_type() -> str:
     return accelerator.type if accelerator is not None else "cpu"
 
 
-# The meshes built over each default process group, by (shape, dimension names):
-# the group's own, dropped with it, so a process group made anew (after
-# `destroy_process_group`) gets meshes, and sub-groups, of its own.
+# The mesh built over each default process group, by (pp, dp, ep): the group's own, dropped with
+# it, so a process group made anew (after `destroy_process_group`) gets a mesh, and sub-groups, of its own.
 _MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, DeviceMesh]] = weakref.WeakKeyDictionary()
 
 
-def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+def strategy_mesh(strategy: Strategy) -> DeviceMesh:
+    """The one device mesh that names every process group of `strategy`: dimensions "pp"
+    and "dp", and with experts (ep > 1) "expert_dp" and "ep", whose flattening is "dp".
+
+    Data-parallel index d = replica * ep + ep_index: the ep ranks sharing out the
+    experts are consecutive, as in torchtitan (ep borrows the inner dp ranks).
+    Building it is collective (sub-groups are made): every rank must ask for a
+    strategy's mesh in the same order the first time.
+    """
+    pp, dp, ep = strategy.pp, strategy.dp, strategy.ep
     meshes = _MESHES.setdefault(dist.group.WORLD, {})
-    if (shape, names) not in meshes:
-        meshes[(shape, names)] = init_device_mesh(process_group_device_type(), shape, mesh_dim_names=names)
-    return meshes[(shape, names)]
+    if (pp, dp, ep) not in meshes:
+        if ep == 1:
+            mesh = init_device_mesh(process_group_device_type(), (pp, dp), mesh_dim_names=("pp", "dp"))
+        else:
+            mesh = init_device_mesh(process_group_device_type(), (pp, dp // ep, ep),
+                                    mesh_dim_names=("pp", "expert_dp", "ep"))
+            mesh["expert_dp", "ep"]._flatten("dp")
+        meshes[(pp, dp, ep)] = mesh
+    return meshes[(pp, dp, ep)]
 
 
-def _device_mesh(pp: int, dp: int) -> DeviceMesh:
-    return _mesh((pp, dp), ("pp", "dp"))
+def _group_name(strategy: Strategy, dim: str, size: int) -> str | None:
+    if size == 1:
+        return None
+    return strategy_mesh(strategy)[dim].get_group().group_name
 
 
 def dp_group_name(strategy: Strategy) -> str | None:
     """Name of this rank's data-parallel process group, or None when dp == 1.
 
-    Every rank must call this in the same order the first time a mesh shape is
-    used: building sub-groups is itself collective.
+    With one rank there is no mesh (nor need of a process group); otherwise the
+    first call for a strategy builds its mesh, collectively (`strategy_mesh`).
     """
-    if strategy.pp > 1:
-        mesh = _device_mesh(strategy.pp, strategy.dp)  # builds the pp groups too, on every rank
-        return mesh.get_group("dp").group_name if strategy.dp > 1 else None
-    if strategy.dp == 1:
+    if strategy.pp * strategy.dp == 1:
         return None
-    return dist.group.WORLD.group_name
-
+    strategy_mesh(strategy)  # builds every group, on every rank, whatever this one needs
+    return _group_name(strategy, "dp", strategy.dp)
 
 
 def pp_group_name(strategy: Strategy) -> str | None:
     """Name of this rank's pipeline process group, or None when pp == 1."""
-    if strategy.pp == 1:
-        return None
-    return _device_mesh(strategy.pp, strategy.dp).get_group("pp").group_name
-
-
-def _expert_mesh(pp: int, dp: int, ep: int) -> DeviceMesh:
-    # Data-parallel index d = replica * ep + ep_index: the ep ranks sharing out
-    # the experts are consecutive, as in torchtitan (ep borrows the inner dp ranks).
-    return _mesh((pp, dp // ep, ep), ("pp", "expert_dp", "ep"))
+    return _group_name(strategy, "pp", strategy.pp)
 
 
 def ep_group_name(strategy: Strategy) -> str | None:
     """Name of this rank's expert-parallel group (the ranks that share out the experts), or None when ep == 1."""
-    if strategy.ep == 1:
-        return None
-    return _expert_mesh(strategy.pp, strategy.dp, strategy.ep).get_group("ep").group_name
+    return _group_name(strategy, "ep", strategy.ep)
 
 
 def expert_replica_group_name(strategy: Strategy) -> str | None:
     """Name of the group of ranks holding the same expert shard (one per ep group), or None when alone."""
-    if strategy.ep == 1 or strategy.dp == strategy.ep:
+    if strategy.ep == 1:
         return None
-    return _expert_mesh(strategy.pp, strategy.dp, strategy.ep).get_group("expert_dp").group_name
+    return _group_name(strategy, "expert_dp", strategy.dp // strategy.ep)

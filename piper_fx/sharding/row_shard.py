@@ -18,10 +18,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..collectives import lowering
 from ..compat import resolve_process_group
-from .dtensor_params import group_mesh, read_through, row_sharded_parameter
+from .dtensor_params import read_through, row_sharded_parameter
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,12 @@ class RowShardLayout:
         shard[: self.local_rows(group_rank)].copy_(rows[start:start + self.local_rows(group_rank)])
         return shard
 
-    def parameter(self, full: torch.Tensor, group_rank: int, group_name: str, mesh_dim: str,
-                  requires_grad: bool) -> nn.Parameter:
-        """Rank `group_rank`'s rows of `full` as a `Shard(0)` DTensor parameter on the group's
-        mesh, kept in their padded buffer (`dtensor_params`)."""
-        return row_sharded_parameter(self.shard_of(full, group_rank), self.local_rows(group_rank),
-                                     self.full_shape, group_mesh(group_name, mesh_dim), requires_grad)
+    def parameter(self, full: torch.Tensor, mesh: DeviceMesh, requires_grad: bool) -> nn.Parameter:
+        """This rank's rows of `full` as a `Shard(0)` DTensor parameter on the 1-D `mesh`, kept in
+        their padded buffer (`dtensor_params`)."""
+        rank = mesh.get_local_rank()
+        return row_sharded_parameter(self.shard_of(full, rank), self.local_rows(rank), self.full_shape, mesh,
+                                     requires_grad)
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,11 @@ def _group_size(group_name: str) -> int:
 UNSHARD, REDUCE_GRAD = define_row_markers("unshard", "reduce_grad")
 
 
-def shard_parameters(model: nn.Module, group_name: str, group_size: int, group_rank: int,
-                     keep: Callable[[nn.Parameter], bool] = lambda p: False) -> None:
+def shard_parameters(model: nn.Module, mesh: DeviceMesh, keep: Callable[[nn.Parameter], bool] = lambda p: False
+                     ) -> None:
     """Replace every parameter of `model` but those `keep` selects (and 0-d ones, which
-    have no rows to split) by this rank's rows, a `Shard(0)` DTensor parameter, in place.
+    have no rows to split) by this rank's rows, a `Shard(0)` DTensor parameter on the
+    1-D `mesh` (the strategy mesh's "dp"), in place.
 
     Tied parameters (one `Parameter` held by several modules) stay tied: they
     get one DTensor parameter, read through `piper::unshard` in every module that holds it.
@@ -150,10 +152,11 @@ def shard_parameters(model: nn.Module, group_name: str, group_size: int, group_r
             fqn = f"{module_name}.{name}" if module_name else name
             owners.setdefault(id(p), []).append((fqn, module, name))
             originals[id(p)] = p
+    group_name = mesh.get_group().group_name
     for key, holders in owners.items():
         original = originals[key]
-        layout = RowShardLayout(tuple(original.shape), group_size)
-        shard = layout.parameter(original.detach(), group_rank, group_name, "dp", original.requires_grad)
+        layout = RowShardLayout(tuple(original.shape), mesh.size())
+        shard = layout.parameter(original.detach(), mesh, original.requires_grad)
         setattr(shard, INFO_ATTR, ShardedParameter(tuple(fqn for fqn, _, _ in holders), layout, group_name))
         full_shape = list(layout.full_shape)
         for _, module, name in holders:
