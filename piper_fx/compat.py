@@ -11,6 +11,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 # The torch releases piper_fx runs on (major, minor), as setup.py declares them.
 OLDEST_TORCH, NEWEST_TORCH = (2, 11), (2, 13)
@@ -58,6 +59,12 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state  # noqa: F
 # public in name only under torch.utils._python_dispatch / _pytree.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._pytree import tree_leaves  # noqa: F401
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """`mesh`'s dimensions as one named `name` on its root mesh (torchtitan's dp from
+    dp_replicate x dp_shard); DeviceMesh has no public spelling of it yet."""
+    return mesh._flatten(name)
 
 
 def resolve_process_group(group_name: str) -> dist.ProcessGroup:

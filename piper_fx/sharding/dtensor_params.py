@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
+
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
@@ -60,7 +61,7 @@ def program_tensor(parameter: torch.Tensor) -> torch.Tensor:
     `model.to`); for another DTensor its local tensor; a plain tensor as it is."""
     if not isinstance(parameter, DTensor):
         return parameter
-    local = parameter._local_tensor
+    local = parameter.to_local()
     padded = _PADDED_ROWS.get(parameter)
     if padded is None:
         return local
@@ -78,10 +79,13 @@ def parameter_grad(parameter: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     the padding rows."""
     if not isinstance(parameter, DTensor):
         return grad
-    local = parameter._local_tensor
+    local = parameter.to_local()
     return DTensor.from_local(grad.narrow(0, 0, local.shape[0]) if local.dim() else grad,
                               parameter.device_mesh, parameter.placements, run_check=False,
                               shape=parameter.shape, stride=parameter.stride())
+
+
+_OWN_CLASS = "_piper_reads_through"  # marks the class `read_through` made for one module
 
 
 def read_through(module: nn.Module, name: str, read: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -96,11 +100,3 @@ def read_through(module: nn.Module, name: str, read: Callable[[torch.Tensor], to
         cls = type(cls.__name__, (cls,), {_OWN_CLASS: True, "__module__": cls.__module__})
         module.__class__ = cls
     setattr(cls, name, property(lambda self: read(self._parameters[name])))
-
-
-_OWN_CLASS = "_piper_reads_through"
-
-
-def reads_through(module: nn.Module) -> bool:
-    """Whether `read_through` gave `module` its own class."""
-    return getattr(type(module), _OWN_CLASS, False)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ..compat import flatten_mesh
 from ..options import Strategy
 
 
@@ -57,7 +58,7 @@ def strategy_mesh(strategy: Strategy) -> DeviceMesh:
         else:
             mesh = init_device_mesh(process_group_device_type(), (pp, dp // ep, ep),
                                     mesh_dim_names=("pp", "expert_dp", "ep"))
-            mesh["expert_dp", "ep"]._flatten("dp")
+            flatten_mesh(mesh["expert_dp", "ep"], "dp")
         meshes[(pp, dp, ep)] = mesh
     return meshes[(pp, dp, ep)]
 
