@@ -19,10 +19,10 @@ from torch.distributed.tensor import DTensor
 from .compat import aot_descriptors as aot_desc, aot_export_joint_with_descriptors, select_decomp_table, tracing
 from .errors import PiperError
 from .ir import GraphInput, GraphOutput, InputRole, OutputRole, TrainingDAG
-from .options import Strategy
+from .options import MixedPrecision, Strategy
 from .sharding.dtensor_params import program_tensor
-from .sharding.experts import EXPERT_ATTR
-from .sharding.row_shard import INFO_ATTR, sharded_parameter_info
+from .sharding.experts import EXPERT_ATTR, UNSHARD_EXPERTS
+from .sharding.row_shard import INFO_ATTR, UNSHARD, sharded_parameter_info
 
 _SOURCE_KEY = re.compile(r"\['([^']+)'\]")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
@@ -128,6 +128,54 @@ def _read_as_program_tensor(node: fx.Node, parameter: torch.Tensor, index: int) 
     return example
 
 
+def _is_marked_read(node: fx.Node) -> bool:
+    """Whether `node` is the read of a sharded parameter (`piper::unshard[_experts]`) in a Dynamo graph."""
+    return node.op == "call_function" and getattr(node.target, "_opoverload", node.target) in (
+        UNSHARD, UNSHARD_EXPERTS)
+
+
+def _cast_uses(graph: fx.Graph, value: fx.Node, dtype: torch.dtype) -> None:
+    """Make every user of `value` read it cast to `dtype`."""
+    with graph.inserting_after(value):
+        cast = graph.call_method("to", (value, dtype))
+    value.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+
+
+def _trace_mixed_precision(gm: fx.GraphModule, examples: list, policy: MixedPrecision) -> None:
+    """Write FSDP2's `MixedPrecisionPolicy` into the Dynamo graph, so AOTAutograd traces
+    compute in `param_dtype` and the casts' backward (each gradient back to its
+    parameter's dtype):
+      - each floating parameter is read cast to `param_dtype`: a sharded one where
+        its module reads it whole (after its marker, which `unshard_parameters`
+        turns into a gather in `param_dtype`), a replicated one where it enters;
+      - floating batch inputs are cast to `param_dtype` (`cast_forward_inputs`);
+        buffers keep their dtype, as under FSDP2;
+      - floating outputs are cast to `output_dtype`.
+    Gradients are reduced in `reduce_dtype` by `reduce_gradients`.
+    """
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    param_dtype = policy.param_dtype
+    for node, example in zip(placeholders, examples):
+        if param_dtype is None or not example.is_floating_point() or example.dtype == param_dtype:
+            continue
+        if isinstance(example, nn.Parameter):
+            for read in [u for u in node.users if _is_marked_read(u)] or [node]:
+                _cast_uses(graph, read, param_dtype)
+        elif policy.cast_forward_inputs and not _fqn_from_source(node)[1]:
+            _cast_uses(graph, node, param_dtype)
+    if policy.output_dtype is not None:
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        for value in dict.fromkeys(output.all_input_nodes):
+            example = value.meta.get("example_value")
+            if isinstance(example, torch.Tensor) and example.is_floating_point() and \
+                    example.dtype != policy.output_dtype:
+                with graph.inserting_before(output):
+                    cast = graph.call_method("to", (value, policy.output_dtype))
+                output.replace_input_with(value, cast)
+    gm.recompile()
+
+
 def _describe_inputs(joint: fx.GraphModule, traced_inputs: list, arg_indices: list[int],
                      dynamo_placeholders: list[fx.Node]) -> list[GraphInput]:
     """The role of every joint-graph placeholder (parameter, shard, buffer, batch input, tangent)."""
@@ -197,6 +245,7 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     gm, traced_inputs, arg_indices = _specialize_to_microbatch(gm, example_inputs, strategy.microbatches)
     dynamo_placeholders = [dynamo_placeholders[i] for i in arg_indices]
+    _trace_mixed_precision(gm, traced_inputs, strategy.mixed_precision)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in traced_inputs)
     # Our own static fake mode, not Dynamo's: the microbatch graph must add no
     # symbols (and so no guards) to the frame Dynamo is compiling.

@@ -50,6 +50,23 @@ def wait_of(collective: fx.Node) -> fx.Node | None:
 ZERO_MARKERS = (UNSHARD, REDUCE_GRAD)            # `piper::unshard` and its backward
 EXPERT_MARKERS = (UNSHARD_EXPERTS, REDUCE_EXPERT_GRAD)
 
+# ---- Casts: what a pure dtype conversion looks like in a joint graph (decomposed or not).
+CONVERT = torch.ops.prims.convert_element_type.default
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def cast_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype `node` converts its input to, if it is a pure dtype cast (`prims.convert_element_type`,
+    or `aten._to_copy` changing nothing but the dtype); else None."""
+    if node.op != "call_function":
+        return None
+    if node.target is CONVERT:
+        return node.args[1]
+    if node.target is _TO_COPY and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
+        return node.kwargs["dtype"]
+    return None
+
+
 # ---- Heavy ops: matmuls and attention, the compute a collective can hide behind.
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default}

@@ -15,6 +15,9 @@ Each option maps onto the pass that consumes it:
 | overlap      | passes.reorder_for_overlap (prefetch gathers, sink waits)|
 | prefetch     | passes.reorder_for_overlap (ZeRO-3 layers gathered ahead)|
 | units        | sharding.units (the layers ZeRO-3 gathers one at a time) |
+| mixed_precision | capture (casts traced into the program),              |
+|              | passes.reduce_gradients (reduce_dtype)                   |
+| activation_checkpointing | passes.checkpoint_activations            |
 | codegen      | capture (decompositions), codegen                        |
 | profile      | codegen (collective waits timed inside tasks)            |
 | debug_dir    | debug (dumps); env PIPER_DEBUG_DIR when not given        |
@@ -29,6 +32,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
+import torch
 import torch.distributed as dist
 
 from .errors import PiperConfigError
@@ -36,9 +40,31 @@ from .errors import PiperConfigError
 ZERO_LEVELS = (0, 1, 2, 3)
 CODEGENS = ("inductor", "eager")
 MESH_DIMS = ("pp", "dp", "ep")
-TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "overlap", "prefetch", "units", "codegen", "profile", "debug_dir",
-                  "pipeline", "directives")
+TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "overlap", "prefetch", "units", "mixed_precision",
+                  "activation_checkpointing", "codegen", "profile", "debug_dir", "pipeline", "directives")
 PIPELINE_KEYS = ("schedule", "microbatches", "stages_per_rank")
+MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+FLOATING_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                   "float64": torch.float64}
+AC_MODES = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """FSDP2's `MixedPrecisionPolicy`: parameters are read (and gathered) in
+    `param_dtype`; gradients are reduced in `reduce_dtype` and kept in the
+    parameters' own dtype; floating outputs are cast to `output_dtype`, and
+    floating inputs to `param_dtype` when `cast_forward_inputs`. None: unchanged."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    @property
+    def reduction_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in: `reduce_dtype`, else `param_dtype` (as FSDP2); None: their own."""
+        return self.reduce_dtype or self.param_dtype
 
 
 @dataclass(frozen=True)
@@ -55,6 +81,10 @@ class Strategy:
     # Patterns naming the model's units (module class names or fnmatch patterns on module
     # names); None: found automatically (`sharding.units`).
     units: tuple[str, ...] | None = None
+    mixed_precision: MixedPrecision = MixedPrecision()
+    # "none", "full" (keep each unit's inputs, recompute the rest in backward) or "selective"
+    # (also keep matmul and attention outputs); see passes.checkpoint_activations.
+    activation_checkpointing: str = "none"
     codegen: str = "inductor"
     profile: bool = False
     debug_dir: str | None = None
@@ -97,7 +127,8 @@ class Strategy:
         schedule = self.schedule if isinstance(self.schedule, str) else (
             self.schedule.name, self.schedule.stage_to_rank, tuple(tuple(map(str, row)) for row in self.schedule.actions))
         return (self.dp, self.pp, self.ep, self.zero, self.bucket_mb, self.overlap, self.prefetch, self.units,
-                self.codegen, schedule, self.microbatches, self.stages_per_rank)
+                self.mixed_precision, self.activation_checkpointing, self.codegen, schedule, self.microbatches,
+                self.stages_per_rank)
 
 
 def _is_int(value: Any) -> bool:
@@ -119,8 +150,9 @@ def parse_options(options: Mapping[str, Any] | None) -> Strategy:
     world_size, rank = _process_group_world()
     dp, pp, ep = _parse_mesh(options.get("mesh", {}), world_size)
     return Strategy(dp=dp, pp=pp, ep=ep, world_size=world_size, rank=rank, **_parse_zero(options),
-                    **_parse_communication(options), **_parse_codegen(options), **_parse_debug_dir(options),
-                    **_parse_schedule(options, pp))
+                    **_parse_communication(options), **_parse_mixed_precision(options),
+                    **_parse_activation_checkpointing(options), **_parse_codegen(options),
+                    **_parse_debug_dir(options), **_parse_schedule(options, pp))
 
 
 def _options_mapping(options: Mapping[str, Any] | None) -> Mapping[str, Any]:
@@ -189,6 +221,58 @@ def _parse_communication(options: Mapping[str, Any]) -> dict[str, Any]:
                                                "module names ('model.layers.*')")
     return {"bucket_mb": float(bucket_mb), "overlap": overlap, "prefetch": prefetch,
             "units": None if units is None else tuple(units)}
+
+
+def _parse_dtype(key: str, value: Any) -> torch.dtype | None:
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.") if isinstance(value, (str, torch.dtype)) else None
+    if name not in FLOATING_DTYPES:
+        raise PiperConfigError(key, value, f"None or a floating dtype: one of {list(FLOATING_DTYPES)} "
+                                           "(a name or the torch.dtype)")
+    return FLOATING_DTYPES[name]
+
+
+def _parse_mixed_precision(options: Mapping[str, Any]) -> dict[str, Any]:
+    """FSDP2's `MixedPrecisionPolicy`, as a dict (or the policy object itself)."""
+    policy = options.get("mixed_precision")
+    if policy is None:
+        return {}
+    if not isinstance(policy, Mapping):
+        fields = {k: getattr(policy, k) for k in MIXED_PRECISION_KEYS if hasattr(policy, k)}
+        if len(fields) != len(MIXED_PRECISION_KEYS):
+            raise PiperConfigError("mixed_precision", policy, f"a dict with keys {list(MIXED_PRECISION_KEYS)} "
+                                                              "or a torch MixedPrecisionPolicy")
+        policy = fields
+    for key in policy:
+        if key not in MIXED_PRECISION_KEYS:
+            raise PiperConfigError(f"mixed_precision.{key}", policy[key],
+                                   f"unknown key; valid keys are {list(MIXED_PRECISION_KEYS)}")
+    param = _parse_dtype("mixed_precision.param_dtype", policy.get("param_dtype"))
+    reduce = _parse_dtype("mixed_precision.reduce_dtype", policy.get("reduce_dtype"))
+    output = _parse_dtype("mixed_precision.output_dtype", policy.get("output_dtype"))
+    cast_inputs = policy.get("cast_forward_inputs", True)
+    if not isinstance(cast_inputs, bool):
+        raise PiperConfigError("mixed_precision.cast_forward_inputs", cast_inputs, "True or False")
+    if param is not None and reduce is not None and torch.finfo(reduce).bits < torch.finfo(param).bits:
+        raise PiperConfigError("mixed_precision.reduce_dtype", policy.get("reduce_dtype"),
+                               f"a dtype at least as wide as param_dtype ({param}): gradients computed in "
+                               f"{param} and reduced in {reduce} lose their low bits in the sum")
+    if param is not None and reduce is not None and {param, reduce} == {torch.float16, torch.bfloat16}:
+        raise PiperConfigError("mixed_precision.reduce_dtype", policy.get("reduce_dtype"),
+                               "float32 (or param_dtype): float16 and bfloat16 hold different ranges")
+    return {"mixed_precision": MixedPrecision(param, reduce, output, cast_inputs)}
+
+
+def _parse_activation_checkpointing(options: Mapping[str, Any]) -> dict[str, Any]:
+    ac = options.get("activation_checkpointing")
+    if ac is None:
+        return {}
+    mode = ac.get("mode") if isinstance(ac, Mapping) else None
+    if not isinstance(ac, Mapping) or set(ac) - {"mode"} or mode not in AC_MODES:
+        raise PiperConfigError("activation_checkpointing", ac,
+                               f"a dict {{'mode': m}} with m one of {list(AC_MODES)}")
+    return {"activation_checkpointing": mode}
 
 
 def _parse_codegen(options: Mapping[str, Any]) -> dict[str, Any]:

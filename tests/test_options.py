@@ -41,12 +41,41 @@ from ranks import RankFailed, run_ranks, run_ranks_collect
     ({"units": []}, "units"),
     ({"units": ["LlamaDecoderLayer", 3]}, "units"),
     ({"units": [""]}, "units"),
+    ({"mixed_precision": "bf16"}, "mixed_precision"),
+    ({"mixed_precision": {"param_type": "bfloat16"}}, "mixed_precision.param_type"),
+    ({"mixed_precision": {"param_dtype": "int8"}}, "mixed_precision.param_dtype"),
+    ({"mixed_precision": {"param_dtype": "bf16"}}, "mixed_precision.param_dtype"),
+    ({"mixed_precision": {"output_dtype": torch.int32}}, "mixed_precision.output_dtype"),
+    # A gradient computed in fp32 loses its low bits reduced in bf16; fp16 and bf16 hold different ranges.
+    ({"mixed_precision": {"param_dtype": "float32", "reduce_dtype": "bfloat16"}}, "mixed_precision.reduce_dtype"),
+    ({"mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float16"}}, "mixed_precision.reduce_dtype"),
+    ({"mixed_precision": {"param_dtype": "bfloat16", "cast_forward_inputs": 1}},
+     "mixed_precision.cast_forward_inputs"),
+    ({"activation_checkpointing": "full"}, "activation_checkpointing"),
+    ({"activation_checkpointing": {"mode": "some"}}, "activation_checkpointing"),
+    ({"activation_checkpointing": {"mode": "full", "every": 2}}, "activation_checkpointing"),
 ])
 def test_bad_option_names_its_key(options, key):
     with pytest.raises(PiperConfigError) as info:
         parse_options(options)
     assert info.value.key == key
     assert str(info.value).startswith(f"options[{key!r}] = {info.value.value!r} is invalid: ")
+
+
+def test_mixed_precision_takes_fsdp2s_policy_or_its_fields_as_a_dict():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    as_dict = {"param_dtype": "bfloat16", "reduce_dtype": "torch.float32", "output_dtype": None,
+               "cast_forward_inputs": True}
+    assert parse_options({"mixed_precision": policy}) == parse_options({"mixed_precision": as_dict})
+    mixed = parse_options({"mixed_precision": as_dict}).mixed_precision
+    assert (mixed.param_dtype, mixed.reduce_dtype, mixed.reduction_dtype) == (torch.bfloat16, torch.float32,
+                                                                              torch.float32)
+    # As FSDP2: without reduce_dtype, gradients are reduced in param_dtype.
+    assert parse_options({"mixed_precision": {"param_dtype": "bfloat16"}}).mixed_precision.reduction_dtype \
+        == torch.bfloat16
+    assert parse_options(None).mixed_precision.reduction_dtype is None
 
 
 def test_units_are_patterns_or_found_automatically():

@@ -16,6 +16,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ..ops import CONVERT
+
 # Metadata copied from the node a splice replaces, so regions and annotations survive.
 INHERITED_META = ("custom", "nn_module_stack", "seq_nr", "partitioner_tag", "stack_trace")
 
@@ -95,3 +97,19 @@ def insert_traced(
                 env[node] = new
     assert result is not None
     return result
+
+
+def cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, *, before: fx.Node,
+         like: fx.Node | None = None, meta: dict[str, Any] | None = None) -> fx.Node:
+    """Insert, before `before`, `value` converted to `dtype` (`prims.convert_element_type`, which
+    every codegen runs); return it. It inherits `like`'s annotations and takes `meta`."""
+    with graph.inserting_before(before):
+        node = graph.call_function(CONVERT, (value, dtype))
+    val = value.meta["val"]
+    with val.fake_mode if hasattr(val, "fake_mode") else contextlib.nullcontext():
+        node.meta["val"] = CONVERT(val, dtype)
+    for key in INHERITED_META:
+        if like is not None and key in like.meta:
+            node.meta[key] = like.meta[key]
+    node.meta.update(meta or {})
+    return node

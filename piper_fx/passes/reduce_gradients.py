@@ -20,12 +20,16 @@ rest of the backward. ZeRO-2/3 reduce-scatter each microbatch's gradient where
 it is complete. The order is
 the backward order, the same on every rank (the graph is the same), so ranks
 agree on the order of collectives.
+Under mixed precision a gradient is reduced in the policy's reduction dtype
+(`reduce_dtype`, else `param_dtype`, as FSDP2): cast to it before its first
+change and back to the parameter's dtype after the last.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
+from ..collectives.emit import cast
 from ..collectives.redistribute import AVG, state_redistribution
 from ..ir import InputRole, OutputRole, TrainingDAG
 from ..ops import COMM_NOTE, PHASE, REDUCE_GRAD, STEP_END
@@ -34,12 +38,19 @@ from ..options import Strategy
 
 def _state(dag: TrainingDAG, strategy: Strategy, grad: fx.Node, changes, group_name: str, *, before: fx.Node,
            like: fx.Node, meta: dict) -> fx.Node:
-    """State the placement changes of the full gradient `grad` in turn (each a (src, dst) pair) over the dp group."""
-    full_shape = grad.meta["val"].shape
+    """State the placement changes of the full gradient `grad` in turn (each a (src, dst) pair) over the
+    dp group, in the mixed-precision policy's reduction dtype."""
+    full_shape, dtype = grad.meta["val"].shape, grad.meta["val"].dtype
+    reduction_dtype = strategy.mixed_precision.reduction_dtype
+    phase = {k: v for k, v in meta.items() if k == PHASE}
+    if reduction_dtype is not None and reduction_dtype != dtype and dtype.is_floating_point:
+        grad = cast(dag.joint.graph, grad, reduction_dtype, before=before, like=like, meta=phase)
     for src, dst in changes:
         grad = state_redistribution(dag.joint.graph, grad, src, dst, group_name=group_name, group_size=strategy.dp,
                                     group_rank=strategy.dp_index, global_shape=full_shape, before=before, like=like,
                                     meta=meta)
+    if grad.meta["val"].dtype != dtype:
+        grad = cast(dag.joint.graph, grad, dtype, before=before, like=like, meta=phase)
     return grad
 
 

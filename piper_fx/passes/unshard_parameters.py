@@ -19,24 +19,41 @@ placed as follows.
     read it serves (`sharding.units`: a layer such as `model.layers.3`), or for
     a read outside units the module reading it (`lm_head`). `bucket_collectives`
     never merges gathers of two units, so a bucket holds at most one unit.
+Under mixed precision (`capture` traces each read of a parameter as its cast
+to `param_dtype`), a marker read only through that cast is gathered in
+`param_dtype`, as FSDP2 does: the shard is cast, the gather moves
+`param_dtype` rows, and the cast of the full value goes.
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from ..collectives.redistribute import state_redistribution
 from ..ir import TrainingDAG, forward_nodes
-from ..ops import COMM_NOTE, PHASE, STEP_START, UNIT, UNSHARD
+from ..collectives.emit import cast
+from ..ops import COMM_NOTE, PHASE, STEP_START, UNIT, UNSHARD, cast_dtype
 from ..options import Strategy
 from ..sharding.units import find_units
 
 
+def _gather_dtype(marker: fx.Node) -> torch.dtype | None:
+    """The dtype `marker`'s every user casts the full parameter to (mixed precision's `param_dtype`), if one."""
+    dtypes = {cast_dtype(user) for user in marker.users}
+    return dtypes.pop() if len(dtypes) == 1 and None not in dtypes else None
+
+
 def _splice_gather(dag: TrainingDAG, strategy: Strategy, marker: fx.Node, *, before: fx.Node,
                    like: fx.Node, phase: str, meta: dict | None = None) -> fx.Node:
-    """State, before `before`, that `marker`'s shard is needed whole (`Shard(0)` -> `Replicate()`: an all-gather)."""
+    """State, before `before`, that `marker`'s shard is needed whole (`Shard(0)` -> `Replicate()`: an
+    all-gather), in the dtype its users cast it to."""
     shard, full_shape, group_name = marker.args
     fqn = dag.input_by_name()[shard.name].fqn
+    dtype = _gather_dtype(marker)
+    if dtype is not None and dtype != shard.meta["val"].dtype:
+        shard = cast(dag.joint.graph, shard, dtype, before=before, like=like,
+                     meta={k: v for k, v in (meta or {}).items() if k == PHASE})
     return state_redistribution(dag.joint.graph, shard, Shard(0), Replicate(), group_name=group_name,
                                 group_size=strategy.dp, group_rank=strategy.dp_index, global_shape=full_shape,
                                 before=before, like=like, meta={COMM_NOTE: f"all_gather {fqn} ({phase})", **(meta or {})})
@@ -70,6 +87,15 @@ def _parameter_only_chain(marker: fx.Node, forward: set[fx.Node]) -> list[fx.Nod
     return chain
 
 
+def _drop_idle_casts(graph: fx.Graph) -> None:
+    """Remove casts of values already of the cast's dtype (the full parameter, gathered in it)."""
+    for node in list(graph.nodes):
+        dtype = cast_dtype(node)
+        if dtype is not None and node.args[0].meta["val"].dtype == dtype:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+
+
 def _gather_per_use(dag: TrainingDAG, strategy: Strategy, markers: list[fx.Node]) -> None:
     graph = dag.joint.graph
     forward = forward_nodes(dag)
@@ -101,6 +127,7 @@ def unshard_parameters(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
         _gather_per_use(dag, strategy, markers)
     else:
         _gather_once_per_step(dag, strategy, markers)
+    _drop_idle_casts(dag.joint.graph)
     dag.joint.graph.lint()
     dag.joint.recompile()
     return dag

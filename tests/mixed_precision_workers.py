@@ -1,0 +1,110 @@
+"""Mixed precision (run inside `run_ranks`): piper_fx against FSDP2 and single-process training
+under one `MixedPrecisionPolicy`, on the same global batches."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.func import functional_call
+
+import piper_fx
+from examples.gpt import GPT, GPTConfig
+from training import SMALL, global_batch
+
+
+
+def _policy(options: dict) -> MixedPrecisionPolicy:
+    """The options' mixed precision as FSDP2's policy."""
+    return MixedPrecisionPolicy(**{key: getattr(torch, value) if isinstance(value, str) else value
+                                   for key, value in options["mixed_precision"].items()})
+
+
+def _optimizer(name: str, params):
+    if name == "sgd":  # gradient differences reach the parameters linearly, so they bound them
+        return torch.optim.SGD(params, lr=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _single_process_step(model: torch.nn.Module, x, y, policy: MixedPrecisionPolicy) -> torch.Tensor:
+    """One step of `model` on the whole batch, its parameters read cast to `param_dtype`
+    (gradients flow back to the fp32 parameters through the casts)."""
+    params = {name: p.to(policy.param_dtype) for name, p in model.named_parameters()}
+    return functional_call(model, params, (x, y), tie_weights=True)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _mean_over_ranks(loss: torch.Tensor, world: int) -> float:
+    loss = loss.detach().float().clone()
+    dist.all_reduce(loss)
+    return loss.item() / world
+
+
+def _fp32_comm_bytes(options: dict, cfg: GPTConfig, pp_regions: bool, x, y, rank: int, dp: int) -> dict:
+    """The bytes of one step's collectives under `options` without mixed precision."""
+    options = {k: v for k, v in options.items() if k != "mixed_precision"}
+    model = GPT(cfg)
+    if pp_regions:
+        model.block_context = lambda: piper_fx.annotate("PP")
+    piper_fx.prepare(model, options)
+    rows = x.shape[0] // dp
+    torch.compile(model, backend="piper", options=options)(x[rank % dp * rows:][:rows],
+                                                           y[rank % dp * rows:][:rows]).backward()
+    return piper_fx.last_step_stats()["comm_bytes"]
+
+
+def mixed_precision_worker(rank: int, world: int, options: dict, optimizer: str = "adamw", steps: int = 10,
+                           per_rank_batch: int = 2, pp_regions: bool = False) -> dict:
+    """Train the GPT `steps` steps with piper_fx under `options`, FSDP2 over every rank with
+    the options' mixed precision as its `MixedPrecisionPolicy`, and one process with the same
+    casts, on the same global batches; return each one's losses and final parameters."""
+    policy = _policy(options)
+    cfg = GPTConfig(**SMALL, tied_embeddings=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    fsdp, single = copy.deepcopy(model), copy.deepcopy(model)
+    if pp_regions:
+        model.block_context = lambda: piper_fx.annotate("PP")
+    piper_fx.prepare(model, options)
+    step = torch.compile(model, backend="piper", options=options)
+    for block in fsdp.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(fsdp, mp_policy=policy)
+    initial = {k: v.detach().clone() for k, v in single.state_dict().items()}
+    optimizers = [_optimizer(optimizer, m.parameters()) for m in (model, fsdp, single)]
+
+    mesh = options.get("mesh", {})
+    dp = mesh.get("dp", world // mesh.get("pp", 1))
+    losses: dict[str, list[float]] = {"piper": [], "fsdp2": [], "single": []}
+    for i in range(steps):
+        x, y = global_batch(i, per_rank_batch * world, cfg)
+        rows = x.shape[0] // dp
+        piper_loss = step(x[rank % dp * rows:][:rows], y[rank % dp * rows:][:rows])
+        fsdp_loss = fsdp(x.chunk(world)[rank], y.chunk(world)[rank])
+        single_loss = _single_process_step(single, x, y, policy)
+        for loss in (piper_loss, fsdp_loss, single_loss):
+            loss.backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        losses["piper"].append(_mean_over_ranks(piper_loss, world))
+        losses["fsdp2"].append(_mean_over_ranks(fsdp_loss, world))
+        losses["single"].append(single_loss.item())
+    comm_bytes = piper_fx.last_step_stats()["comm_bytes"]
+
+    return {
+        "losses": losses,
+        "comm_bytes": comm_bytes,
+        "fp32_comm_bytes": _fp32_comm_bytes(options, cfg, pp_regions, x, y, rank, dp),
+        "initial": initial,
+        "loss_dtypes": [str(piper_loss.dtype), str(fsdp_loss.dtype), str(single_loss.dtype)],
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "piper": {k: v.float() for k, v in piper_fx.full_state_dict(model).items()},
+        "fsdp2": {k: _full(v.detach()).clone() for k, v in fsdp.state_dict().items()},
+        "single": {k: v.detach().clone() for k, v in single.state_dict().items()},
+    }

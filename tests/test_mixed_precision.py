@@ -1,0 +1,100 @@
+"""Mixed precision with FSDP2's `MixedPrecisionPolicy` semantics (option `mixed_precision`).
+
+piper_fx traces the policy's casts into the program (`capture`), gathers
+parameters in `param_dtype` (`unshard_parameters`) and reduces gradients in
+`reduce_dtype` (`reduce_gradients`), keeping fp32 parameters and optimizer
+state. Each case trains the example GPT 10 steps with piper_fx, with FSDP2
+`fully_shard` per block and at the root under the same policy, and in one
+process reading its parameters cast to `param_dtype`, on the same global
+batches (real gloo ranks, eager codegen).
+
+The bounds:
+- FSDP2: parameters exactly equal. Both run the same ATen ops in bf16 on the
+  same rows of the batch (a pipeline's microbatch holds the rows one FSDP2
+  rank holds), gather bf16 copies of the same fp32 shards (a cast commutes
+  with the gather), and average gradients in `reduce_dtype` over the same
+  ranks (a microbatch's gradient is seeded with 1/M, a power of two here,
+  which scales exactly). Losses are equal too, except that with microbatches
+  piper_fx returns their mean rounded to bf16.
+- One process: its loss is the mean over the whole batch, computed in bf16,
+  where the ranks' are means over their rows, so every gradient differs by
+  bf16 rounding (relative 2^-8 per op). With SGD (whose update is linear in
+  the gradient) the parameters after 10 steps differ by at most 5% of how far
+  training moved them (measured: under 3%), and each loss by at most 4 bf16
+  ulps (2^-6 each near 3.6; measured: 2.5).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixed_precision_workers import mixed_precision_worker
+from ranks import run_ranks
+
+BF16_FP32 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+PIPELINE = {"mesh": {"pp": 2, "dp": 2}, "zero": 3, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+
+
+def _train(world: int, options: dict, optimizer: str, pp_regions: bool = False) -> dict:
+    return run_ranks(mixed_precision_worker, world, {"codegen": "eager", **options}, optimizer, 10, 2, pp_regions,
+                     deadline_s=400)[0]
+
+
+def _max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[name] - b[name]).abs().max().item() for name in b)
+
+
+def _check_losses_equal_fsdp2s(result: dict, microbatches: int) -> None:
+    """Equal; with microbatches, up to the rounding of their mean to the bf16 loss piper_fx
+    returns (half an ulp, 2^-7 near 3.6), where FSDP2's ranks' means are averaged in fp32."""
+    bound = 0.0 if microbatches == 1 else 2.0 ** -7
+    for piper_loss, fsdp_loss in zip(result["losses"]["piper"], result["losses"]["fsdp2"]):
+        assert abs(piper_loss - fsdp_loss) <= bound
+
+
+def _check_single_process_bound(result: dict) -> None:
+    bf16_ulp_at_loss = 2.0 ** -6
+    for piper_loss, single_loss in zip(result["losses"]["piper"], result["losses"]["single"]):
+        assert abs(piper_loss - single_loss) <= 4 * bf16_ulp_at_loss
+    for name, single in result["single"].items():
+        moved = (single - result["initial"][name]).abs().max().item()
+        assert (result["piper"][name] - single).abs().max().item() <= 0.05 * moved, name
+
+
+@pytest.mark.parametrize("options", [{"mesh": {"dp": 2}, "zero": 3}, PIPELINE], ids=["dp2-zero3", "pp2xdp2-1f1b"])
+def test_bf16_equals_fsdp2_exactly_and_single_process_within_bf16_rounding(options):
+    result = _train(4 if "pipeline" in options else 2, {**options, "mixed_precision": BF16_FP32}, "sgd",
+                    pp_regions="pipeline" in options)
+    assert result["loss_dtypes"] == ["torch.bfloat16"] * 3
+    assert result["param_dtypes"] == ["torch.float32"]  # master weights stay fp32
+    _check_losses_equal_fsdp2s(result, options.get("pipeline", {}).get("microbatches", 1))
+    assert _max_difference(result["piper"], result["fsdp2"]) == 0.0
+    _check_single_process_bound(result)
+    # Parameters are gathered in bf16 (half the bytes), gradients reduced in fp32 (the same).
+    fp32, bf16 = result["fp32_comm_bytes"], result["comm_bytes"]
+    assert bf16["all_gather"] * 2 == fp32["all_gather"] > 0
+    assert bf16["reduce_scatter"] == fp32["reduce_scatter"] > 0
+
+
+def test_a_zero_bubble_v_schedule_in_bf16_equals_fsdp2_exactly():
+    """ZBV: two stages per rank, the backward split into input and weight gradients."""
+    options = {"mesh": {"pp": 2}, "pipeline": {"schedule": "zbv", "microbatches": 2}, "mixed_precision": BF16_FP32}
+    result = _train(2, options, "adamw")
+    _check_losses_equal_fsdp2s(result, microbatches=2)
+    assert _max_difference(result["piper"], result["fsdp2"]) == 0.0
+
+
+@pytest.mark.parametrize("zero,reduce_dtype", [(0, "float32"), (1, None), (2, "float32"), (3, None)])
+def test_every_zero_level_with_adamw_equals_fsdp2_exactly(zero, reduce_dtype):
+    """AdamW (fp32 state) and both reduction dtypes: without `reduce_dtype`, gradients
+    are reduced in `param_dtype`, as FSDP2 does."""
+    policy = {"param_dtype": "bfloat16", "reduce_dtype": reduce_dtype}
+    result = _train(2, {"mesh": {"dp": 2}, "zero": zero, "mixed_precision": policy}, "adamw")
+    assert result["losses"]["piper"] == result["losses"]["fsdp2"]
+    assert _max_difference(result["piper"], result["fsdp2"]) == 0.0
+    reduction = "all_reduce" if zero <= 1 else "reduce_scatter"
+    shrink = 1 if reduce_dtype == "float32" else 2
+    assert result["comm_bytes"][reduction] * shrink == result["fp32_comm_bytes"][reduction] > 0
+    if zero:
+        assert result["comm_bytes"]["all_gather"] * 2 == result["fp32_comm_bytes"]["all_gather"]
