@@ -16,7 +16,8 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .compat import aot_descriptors as aot_desc, aot_export_joint_with_descriptors, select_decomp_table, tracing
+from .compat import (FakeTensorMode, ShapeEnv, TracingContext, aot_descriptors as aot_desc,
+                     aot_export_joint_with_descriptors, select_decomp_table, tracing)
 from .errors import PiperError
 from .ir import GraphInput, GraphOutput, InputRole, OutputRole, TrainingDAG
 from .options import MixedPrecision, Strategy
@@ -248,10 +249,13 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     _trace_mixed_precision(gm, traced_inputs, strategy.mixed_precision)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in traced_inputs)
     # Our own static fake mode, not Dynamo's: the microbatch graph must add no
-    # symbols (and so no guards) to the frame Dynamo is compiling.
-    with contextlib.ExitStack() as stack, tracing(None):
+    # symbols (and so no guards) to the frame Dynamo is compiling. It has a shape
+    # environment, which Inductor's FX graph cache needs to cache a task, kept
+    # empty: inputs are made fake with static shapes (`ignore_shape_env`).
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
+    with contextlib.ExitStack() as stack, tracing(TracingContext(fake_mode)):
         exported = aot_export_joint_with_descriptors(
-            stack, gm, tuple(traced_inputs), decompositions=decompositions_for(strategy))
+            stack, gm, tuple(traced_inputs), decompositions=decompositions_for(strategy), ignore_shape_env=True)
         joint = exported.graph_module
 
     inputs = _describe_inputs(joint, traced_inputs, arg_indices, dynamo_placeholders)

@@ -39,6 +39,10 @@ from torch._dynamo.exc import ShortenTraceback  # noqa: F401
 # Tracing contexts: capture and Inductor's bucketing run outside Dynamo's context (in our own
 # fake mode); `compile_fx_inner` needs one naming the task's fake mode.
 from torch._guards import TracingContext, tracing  # noqa: F401
+# A fake mode of our own for capture, with a shape environment: static shapes add no symbols,
+# and Inductor's FX graph cache bypasses graphs whose fake mode has none ("No shape env").
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
+from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: F401
 # The id of the frame Dynamo is compiling, which names the debug dump's folder as TORCH_LOGS and
 # tlparse name it (`graph0`, `graph0_1` for a recompile); no public accessor.
 from torch._guards import CompileContext  # noqa: F401
