@@ -11,6 +11,7 @@ from .annotate import annotate
 from .backend import piper_backend, register as _register
 from .checkpoint import load_checkpoint, model_state_dict, optimizer_state_dict, save_checkpoint
 from .clipping import clip_grad_norm_
+from .compile_stats import last_compile_stats
 from .errors import PeerFailedError, PiperConfigError, PiperError
 from .options import Strategy, parse_options
 from .prepare import prepare
@@ -23,5 +24,5 @@ _register()
 
 __all__ = ["annotate", "clip_grad_norm_", "PeerFailedError", "PiperConfigError", "PiperError", "Strategy",
            "full_state_dict", "load_checkpoint", "model_state_dict", "optimizer_state_dict", "parse_options",
-           "last_step_stats", "last_step_trace", "mark_experts", "piper_backend", "prepare", "save_checkpoint",
+           "last_compile_stats", "last_step_stats", "last_step_trace", "mark_experts", "piper_backend", "prepare", "save_checkpoint",
            "schedules"]

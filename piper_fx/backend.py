@@ -15,6 +15,7 @@ from torch import nn
 
 from .capture import capture
 from .codegen import compile_program
+from .compile_stats import CompileStats, record
 from .debug import DebugDump
 from .errors import PiperError
 from .ir import InputRole, TrainingDAG
@@ -33,18 +34,24 @@ from .sharding.specs import placement_table
 from .sharding.units import find_units
 
 
-def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: DebugDump | None = None) -> TrainingDAG:
+def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: DebugDump | None = None,
+         stats: CompileStats | None = None) -> TrainingDAG:
     """Capture `gm` and run the strategy passes: the DAG with the programs of this
     rank's pipeline (every rank with `strategy`'s data-parallel index). Needs the
-    process group only for group names, so a fake one plans any world size."""
+    process group only for group names, so a fake one plans any world size.
+    Times capture and each pass into `stats`."""
     dump = dump or DebugDump(None, strategy.rank)
+    stats = stats if stats is not None else CompileStats()
     dump.write("00_dynamo_graph.py", gm.print_readable(print_output=False))
-    dag = capture(gm, example_inputs, strategy, dp_group_name(strategy))
+    with stats.phase("capture"):
+        dag = capture(gm, example_inputs, strategy, dp_group_name(strategy))
     dump.write("01_joint_graph.py", dag.joint.print_readable(print_output=False))
     # At every ZeRO level, so a `units` pattern naming no module is an error on every rank whatever the strategy.
     dump.write("units.txt", find_units(dag).render())
+    stats.lap("dumps")
 
     def after_pass(index: int, name: str, dag: TrainingDAG) -> None:
+        stats.lap(f"pass:{name}")
         if not dump.enabled:
             return
         tasks = {t.name: t for t in dag.tasks}
@@ -58,6 +65,7 @@ def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: Deb
         dump.write(f"passes/{index + 2:02d}_{name}.py", text)
         if name == "propagate_placements":
             dump.write("placement_table.txt", placement_table(dag.joint.graph))
+        stats.lap("dumps")
 
     return run_passes(dag, strategy, after_pass)
 
@@ -114,7 +122,8 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     check_one_device(example_inputs)
 
     dump = DebugDump(strategy.debug_dir, strategy.rank)
-    dag = plan(gm, example_inputs, strategy, dump)
+    stats = CompileStats()
+    dag = plan(gm, example_inputs, strategy, dump, stats)
     # Replicated parameters and buffers the model was compiled with, without
     # `prepare`: start every replica from the first one's values, as DDP does.
     replicated = [i.arg_index for i in dag.inputs if i.role in (InputRole.PARAM, InputRole.BUFFER)]
@@ -125,7 +134,9 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     dump.write("program.txt", program.render())
     dump.write("schedule.txt", text_grid(dag.schedule))
     dump.write("schedule.svg", svg(dag.schedule))
-    compiled = compile_program(program, strategy.codegen, dump, time_waits=strategy.profile)
+    compiled = compile_program(program, strategy.codegen, dump, stats, time_waits=strategy.profile)
+    dump.write("compile_stats.txt", stats.render())
+    record(stats)
 
     randomness = step_randomness(dag, strategy)
     if randomness is not None:  # the model's dropout stream, which checkpoints save and restore

@@ -43,6 +43,8 @@ from torch._guards import TracingContext, tracing  # noqa: F401
 # and Inductor's FX graph cache bypasses graphs whose fake mode has none ("No shape env").
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: F401
+# Dynamo's and Inductor's event counters (FX graph cache hits and misses); no public accessor.
+from torch._dynamo.utils import counters as dynamo_counters  # noqa: F401
 # The id of the frame Dynamo is compiling, which names the debug dump's folder as TORCH_LOGS and
 # tlparse name it (`graph0`, `graph0_1` for a recompile); no public accessor.
 from torch._guards import CompileContext  # noqa: F401

@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..compile_stats import CompileStats
 from ..debug import DebugDump
 from ..ir import RankProgram, Task
 from . import eager, inductor
@@ -21,12 +22,14 @@ from . import eager, inductor
 CompiledTask = Callable[[list], Sequence[torch.Tensor]]
 
 
-def compile_program(program: RankProgram, codegen: str, dump: DebugDump,
+def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: CompileStats,
                     time_waits: bool = False) -> dict[str, CompiledTask]:
+    """Each task of `program`, compiled; its time and how its code was obtained go into `stats`."""
     compile_task = inductor.compile_task if codegen == "inductor" else eager.compile_task
     compiled: dict[str, CompiledTask] = {}
     for task in program.tasks.values():
-        compiled[task.name], source = compile_task(task, time_waits)
+        with stats.task(task.name, codegen):
+            compiled[task.name], source = compile_task(task, time_waits)
         dump.write(f"codegen/{task.name}.py", source)
     return compiled
 
