@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from .compat import (FakeTensorMode, ShapeEnv, TracingContext, aot_descriptors as aot_desc,
                      aot_export_joint_with_descriptors, select_decomp_table, tracing)
+from .collectives.emit import INHERITED_META
 from .errors import PiperError
 from .ir import GraphInput, GraphOutput, InputRole, OutputRole, TrainingDAG
 from .options import MixedPrecision, Strategy
@@ -136,9 +137,13 @@ def _is_marked_read(node: fx.Node) -> bool:
 
 
 def _cast_uses(graph: fx.Graph, value: fx.Node, dtype: torch.dtype) -> None:
-    """Make every user of `value` read it cast to `dtype`."""
+    """Make every user of `value` read it cast to `dtype`; the cast is where `value` is
+    (its annotations: a read inside `piper_fx.annotate` regions stays inside them)."""
     with graph.inserting_after(value):
         cast = graph.call_method("to", (value, dtype))
+    for key in INHERITED_META:
+        if key in value.meta:
+            cast.meta[key] = value.meta[key]
     value.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
 
 
