@@ -1,22 +1,25 @@
-"""Step time of piper_fx against PyTorch's own DDP and FSDP2, side by side in one run.
+"""Step time of piper_fx against PyTorch's own DDP, FSDP2 and pipelining, side by side in one run.
 
-    python benchmarks/compare.py [--nproc 2] [--steps 10] [--codegen inductor|eager]
+    python benchmarks/compare.py [--nproc 2] [--steps 10] [--rounds 3] [--codegen inductor|eager]
 
-Spawns the ranks (gloo on CPU), trains the example GPT with each pair on the
-same data from the same initial weights, the two sides' steps alternating,
-and prints median step times, the
-piper_fx / native ratio, tokens/s, peak tensor memory (parameters, gradients,
-optimizer state and the most a step allocates above them, from the profiler's
-memory events) and peak RSS per rank, compile time (first step with a cold
-Inductor cache, and again in a fresh Dynamo with the cache warm), and the loss
-after the last step (which must match).
-Pairs: ZeRO-0 vs DDP (with torch.compile), ZeRO-3 vs FSDP2 `fully_shard`,
-ZeRO-2 vs FSDP2 with `reshard_after_forward=False`, and each pipeline schedule
-(gpipe, 1f1b, interleaved_1f1b, zbv, dualpipev) vs torch.distributed.pipelining's
-same schedule: its stages compiled with torch.compile where PyTorch allows it
-(gpipe, 1f1b, interleaved), eager where it refuses compiled stages (the
-zero-bubble schedules, which split the backward). Pipelines use one block per
-stage and untied embeddings on both sides.
+Spawns the ranks (gloo on CPU) and trains the example GPT with each pair on the
+same data from the same initial weights. The native side runs twice: compiled
+the way torchtitan compiles it (each block `.compile()`d, under `fully_shard`
+or inside the pipeline stage; DDP around a compiled model), and eager; the
+faster of the two is the baseline, and the table says which. The sides' steps
+alternate, in an order that is reversed every round; each side's time is the
+median over rounds of each round's median step, with the spread of the rounds
+((max - min) / median). Beside it: tokens/s, peak tensor memory (parameters,
+gradients, optimizer state and the most a step allocates above them, from the
+profiler's memory events), peak RSS per rank, compile time (first step with a
+cold Inductor cache, and again in a fresh Dynamo with the cache warm), and the
+loss after the last step (which must match).
+Pairs: ZeRO-0 vs DDP, ZeRO-3 vs FSDP2 `fully_shard`, ZeRO-2 vs FSDP2 with
+`reshard_after_forward=False`, and each pipeline schedule (gpipe, 1f1b,
+interleaved_1f1b, zbv, dualpipev) vs torch.distributed.pipelining's same
+schedule (it refuses compiled stages for the zero-bubble schedules, which split
+the backward: those run eager only). Pipelines use one block per stage and
+untied embeddings on both sides.
 A measurement, not a test: nothing here asserts a time.
 """
 from __future__ import annotations
@@ -121,14 +124,15 @@ class _Side:
         return time.perf_counter() - start
 
 
-def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rank: int, world: int, per_rank: int,
+def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: int, world: int, per_rank: int,
                  dp: int) -> list[dict]:
-    """Both sides of a pair on this rank, their timed steps alternating, so drifts in the
-    machine's load hit both alike. Per side: median step time after warm-up, the last
-    loss averaged over ranks, compile times (the first step with a cold Inductor cache,
-    and again after `torch._dynamo.reset()` with the cache warm), peak tensor bytes
-    (parameters, gradients and optimizer state, plus the most a step allocates above
-    them) and peak RSS while it compiled and took its first step.
+    """Every side of a pair on this rank, their timed steps alternating (in an order reversed
+    every round), so drifts in the machine's load hit them alike. Per side: the median over
+    `rounds` of each round's median step time and the rounds' spread, the last loss averaged
+    over ranks, compile times (the first step with a cold Inductor cache, and again after
+    `torch._dynamo.reset()` with the cache warm), peak tensor bytes (parameters, gradients
+    and optimizer state, plus the most a step allocates above them) and peak RSS while it
+    compiled and took its first step.
 
     The global batch has `per_rank * world` rows; each of the `dp` data-parallel
     replicas (all ranks; 1 for a pipeline over all ranks) gets its share."""
@@ -140,19 +144,28 @@ def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rank: int, world: i
         side.build()
         result["cold_s"] = side.run(0)
         result["rss_mb"] = _peak_rss_mb()
-    for i in range(1, WARMUP + steps):
+    for i in range(1, WARMUP):
         for side in sides:
-            elapsed = side.run(i)
-            if i >= WARMUP:
-                side.times.append(elapsed)
-    for side, result in zip(sides, results):
+            side.run(i)
+    medians: list[list[float]] = [[] for _ in sides]
+    i = WARMUP
+    for r in range(rounds):
+        order = list(enumerate(sides)) if r % 2 == 0 else list(enumerate(sides))[::-1]
+        times: list[list[float]] = [[] for _ in sides]
+        for _ in range(steps):
+            for index, side in order:
+                times[index].append(side.run(i))
+            i += 1
+        for index in range(len(sides)):
+            medians[index].append(statistics.median(times[index]))
+    for side, result, rounds_s in zip(sides, results, medians):
         loss = side.loss.clone()
         dist.all_reduce(loss)
         dist.barrier()
-        result.update(step_s=statistics.median(side.times), loss=loss.item() / world,
-                      peak_bytes=_resident_bytes(side.params, side.opt)
-                      + _peak_allocated_bytes(lambda: side.run(WARMUP + steps)))
-    torch._dynamo.reset()  # compile both again: Inductor's caches are warm now
+        step_s = statistics.median(rounds_s)
+        result.update(step_s=step_s, spread=(max(rounds_s) - min(rounds_s)) / step_s, loss=loss.item() / world,
+                      peak_bytes=_resident_bytes(side.params, side.opt) + _peak_allocated_bytes(lambda: side.run(i)))
+    torch._dynamo.reset()  # compile again: Inductor's caches are warm now
     for side, result in zip(sides, results):
         side.build()
         result["warm_s"] = side.run(0)
@@ -166,16 +179,23 @@ def piper(options):
     return make
 
 
-def ddp_compiled(model):
-    from torch.nn.parallel import DistributedDataParallel
-    wrapped = DistributedDataParallel(model)
-    return torch.compile(wrapped), wrapped.parameters()
+def ddp(compiled: bool):
+    """DDP; compiled, around a compiled model (DDP's own graph breaks at its buckets, as with
+    torch.compile(DDP(model)))."""
+    def make(model):
+        from torch.nn.parallel import DistributedDataParallel
+        wrapped = DistributedDataParallel(model)
+        return (torch.compile(wrapped) if compiled else wrapped), wrapped.parameters()
+    return make
 
 
-def fsdp2(reshard_after_forward: bool = True):
+def fsdp2(reshard_after_forward: bool, compiled: bool):
+    """FSDP2 per block and at the root; compiled as torchtitan does: each block `.compile()`d."""
     def make(model):
         from torch.distributed.fsdp import fully_shard
         for block in model.blocks:
+            if compiled:
+                block.compile()
             fully_shard(block, reshard_after_forward=reshard_after_forward)
         fully_shard(model, reshard_after_forward=reshard_after_forward)
         return model, model.parameters()
@@ -184,7 +204,8 @@ def fsdp2(reshard_after_forward: bool = True):
 
 # --- pipelines ---------------------------------------------------------------
 
-PIPELINE_SCHEDULES = {  # ours -> (torch.distributed.pipelining class name, stages per rank, V placement, compiled)
+PIPELINE_SCHEDULES = {  # ours -> (torch.distributed.pipelining class name, stages per rank, V placement,
+    #                         whether it accepts compiled stages)
     "gpipe": ("ScheduleGPipe", 1, False, True),
     "1f1b": ("Schedule1F1B", 1, False, True),
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2, False, True),
@@ -206,7 +227,7 @@ class _Stage(torch.nn.Module):
     def forward(self, x):
         if self.first:
             x = self.embed[0](x) + self.embed[1](torch.arange(x.shape[1]))
-        x = self.block(x)
+        x, _ = self.block(x)  # a dense block's auxiliary loss is None
         return self.head[1](self.head[0](x)) if self.last else x
 
 
@@ -214,11 +235,12 @@ def _cross_entropy(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def pipelining(schedule: str, microbatches: int):
-    """torch.distributed.pipelining's `schedule` over all ranks, one block per stage."""
+def pipelining(schedule: str, microbatches: int, compiled: bool):
+    """torch.distributed.pipelining's `schedule` over all ranks, one block per stage; compiled:
+    each stage module `torch.compile`d."""
     import torch.distributed.pipelining as pipelining_api
 
-    class_name, per_rank, v_shape, compiled = PIPELINE_SCHEDULES[schedule]
+    class_name, per_rank, v_shape, _ = PIPELINE_SCHEDULES[schedule]
 
     def make(model):
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -269,29 +291,40 @@ def run(rank: int, world: int, init_file: str, args, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
+    # Per pair: piper_fx's side, then the native side as {"compiled": maker, "eager": maker}.
     pairs = [
-        ("zero=0 vs DDP+compile", piper({"zero": 0, "codegen": args.codegen}), ddp_compiled, CFG, world),
-        ("zero=3 vs FSDP2", piper({"zero": 3, "codegen": args.codegen}), fsdp2(True), CFG, world),
-        ("zero=2 vs FSDP2 no-reshard", piper({"zero": 2, "codegen": args.codegen}), fsdp2(False), CFG, world),
+        ("zero=0 vs DDP", piper({"zero": 0, "codegen": args.codegen}),
+         {"compiled": ddp(True), "eager": ddp(False)}, CFG, world),
+        ("zero=3 vs FSDP2", piper({"zero": 3, "codegen": args.codegen}),
+         {"compiled": fsdp2(True, True), "eager": fsdp2(True, False)}, CFG, world),
+        ("zero=2 vs FSDP2 no-reshard", piper({"zero": 2, "codegen": args.codegen}),
+         {"compiled": fsdp2(False, True), "eager": fsdp2(False, False)}, CFG, world),
     ]
     microbatches = 2 * world
-    for schedule, (_, per_rank, _, _) in PIPELINE_SCHEDULES.items():
+    for schedule, (_, per_rank, _, accepts_compiled) in PIPELINE_SCHEDULES.items():
         cfg = GPTConfig(vocab_size=CFG.vocab_size, block_size=CFG.block_size, n_layer=world * per_rank,
                         n_head=CFG.n_head, n_embd=CFG.n_embd, tied_embeddings=False)
+        native = {"eager": pipelining(schedule, microbatches, False)}
+        if accepts_compiled:
+            native = {"compiled": pipelining(schedule, microbatches, True), **native}
         # The whole global batch enters the pipeline on every rank (dp = 1).
         pairs.append((f"{schedule} vs pipelining", piper_pipeline(schedule, microbatches, args.codegen),
-                      pipelining(schedule, microbatches), cfg, 1))
+                      native, cfg, 1))
     rows = []
-    for index, (name, ours, theirs, cfg, dp) in enumerate(pairs):
+    for index, (name, ours, native, cfg, dp) in enumerate(pairs):
         if args.only and not any(word in name for word in args.only):
             continue
-        caches = [os.path.join(args.cache_root, f"pair{index}_{side}") for side in ("piper", "native")]
-        measured = measure_pair((ours, theirs), cfg, caches, args.steps, rank, world, args.per_rank_batch, dp)
+        kinds = list(native)
+        caches = [os.path.join(args.cache_root, f"pair{index}_{side}") for side in ("piper", *kinds)]
+        measured = measure_pair((ours, *native.values()), cfg, caches, args.steps, args.rounds, rank, world,
+                                args.per_rank_batch, dp)
         everyone: list = [None] * world
         dist.all_gather_object(everyone, measured)
         # Per side, the slowest rank's times and the largest rank's memory.
-        rows.append((name, *({key: max(m[side][key] for m in everyone) for key in measured[side]}
-                             for side in range(2))))
+        sides = [{key: max(m[side][key] for m in everyone) for key in measured[side]} for side in range(len(measured))]
+        for kind, side in zip(kinds, sides[1:]):
+            side["kind"] = kind
+        rows.append((name, sides[0], min(sides[1:], key=lambda side: side["step_s"]), sides[1:]))
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()
@@ -314,7 +347,8 @@ def _results_or_failure(results, procs):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-rank-batch", type=int, default=8)
     parser.add_argument("--codegen", choices=["inductor", "eager"], default="inductor")
     parser.add_argument("--only", nargs="*", help="run only the pairs whose name contains one of these words")
@@ -332,20 +366,24 @@ def main() -> None:
             p.join()
     tokens = args.per_rank_batch * args.nproc * CFG.block_size
     print(f"{args.nproc} CPU ranks (gloo), GPT {CFG.n_layer}x{CFG.n_embd} (pipelines: one block per stage), "
-          f"{tokens} tokens/step, median of {args.steps} steps after {WARMUP} warm-up, piper_fx codegen "
-          f"{args.codegen}; per pair the slowest rank's time and the largest rank's memory; ratio = piper / native")
-    header = (f"{'pair':<30} {'piper ms':>8} {'native ms':>9} {'ratio':>5} {'piper tok/s':>11} "
-              f"{'native tok/s':>12} {'piper MB':>8} {'native MB':>9} {'piper RSS':>9} {'native RSS':>10} "
-              f"{'cold s':>11} {'warm s':>11} {'piper loss':>10} {'native loss':>11}")
+          f"{tokens} tokens/step, {args.rounds} rounds of {args.steps} steps after {WARMUP} warm-up, piper_fx "
+          f"codegen {args.codegen}; per pair the slowest rank's time and the largest rank's memory; native: the "
+          f"faster of compiled and eager; ms: median of the rounds' medians (spread of the rounds); "
+          f"ratio = piper / native")
+    header = (f"{'pair':<31} {'piper ms':>13} {'native ms':>13} {'native':>8} {'ratio':>5} {'piper tok/s':>11} "
+              f"{'piper MB':>8} {'native MB':>9} {'piper RSS':>9} {'native RSS':>10} "
+              f"{'cold s':>11} {'warm s':>11} {'piper loss':>10} {'native loss':>11}  other native")
     print(header)
-    for name, ours, theirs in rows:
-        print(f"{name:<30} {ours['step_s'] * 1e3:8.1f} {theirs['step_s'] * 1e3:9.1f} "
+    for name, ours, theirs, natives in rows:
+        others = ", ".join(f"{n['kind']} {n['step_s'] * 1e3:.1f} ms, cold {n['cold_s']:.1f} s"
+                           for n in natives if n is not theirs)
+        print(f"{name:<31} {ours['step_s'] * 1e3:7.1f} ({ours['spread']:3.0%}) "
+              f"{theirs['step_s'] * 1e3:7.1f} ({theirs['spread']:3.0%}) {theirs['kind']:>8} "
               f"{ours['step_s'] / theirs['step_s']:5.2f} {tokens / ours['step_s']:11.0f} "
-              f"{tokens / theirs['step_s']:12.0f} {ours['peak_bytes'] / 2**20:8.2f} {theirs['peak_bytes'] / 2**20:9.2f} "
+              f"{ours['peak_bytes'] / 2**20:8.2f} {theirs['peak_bytes'] / 2**20:9.2f} "
               f"{ours['rss_mb']:9.0f} {theirs['rss_mb']:10.0f} "
               f"{ours['cold_s']:5.1f}/{theirs['cold_s']:<5.1f} {ours['warm_s']:5.1f}/{theirs['warm_s']:<5.1f} "
-              f"{ours['loss']:10.5f} {theirs['loss']:11.5f}")
-
+              f"{ours['loss']:10.5f} {theirs['loss']:11.5f}  {others}")
 
 if __name__ == "__main__":
     main()
