@@ -18,6 +18,7 @@ from ..options import Strategy
 from ..verify import InvalidGraphError, verification_enabled, verify_dag
 from .bucket_collectives import bucket_collectives
 from .build_rank_programs import build_rank_programs
+from .checkpoint_activations import checkpoint_activations
 from .choose_schedule import choose_schedule
 from .functionalize_random import functionalize_random
 from .lower_redistributions import lower_redistributions
@@ -49,20 +50,21 @@ class Pass:
 JOINT, STAGED, PROGRAMS = Level.JOINT, Level.STAGED, Level.PROGRAMS
 
 PIPELINE: tuple[Pass, ...] = (
-    #    the pass               takes     leaves
-    Pass(functionalize_random,  JOINT,    JOINT),     # random ops (dropout) -> Philox of (global element, op, step)
-    Pass(shard_experts,         JOINT,    JOINT),     # EP: local expert blocks; re-sharding at EP region boundaries
-    Pass(unshard_parameters,    JOINT,    JOINT),     # ZeRO: where shards are needed whole, once per step or per use
-    Pass(reduce_gradients,      JOINT,    JOINT),     # DP/ZeRO: gradients Partial(avg) -> Replicate() or Shard(0)
-    Pass(lower_redistributions, JOINT,    JOINT),     # every placement change -> its collective (one table)
-    Pass(propagate_placements,  JOINT,    JOINT),     # DTensor-style spec on every node (descriptive)
-    Pass(choose_schedule,       JOINT,    JOINT),     # the validated schedule: stage placement and action order
-    Pass(split_stages,          JOINT,    STAGED),    # per stage: F and B tasks, P/E for once-per-step ops
-    Pass(split_backward,        STAGED,   STAGED),    # zero-bubble schedules: B -> I (input grads) and W (weight grads)
-    Pass(bucket_collectives,    STAGED,   STAGED),    # per task: adjacent collectives -> buckets of at most bucket_mb
-    Pass(reorder_for_overlap,   STAGED,   STAGED),    # per task: waits sunk to first use, ZeRO-3 gathers prefetched
-    Pass(build_rank_programs,   STAGED,   PROGRAMS),  # schedule + tasks -> each rank's program (with send/recv)
-    Pass(fuse_overlapped_pairs, PROGRAMS, PROGRAMS),  # DualPipe's F&B pairs: halves interleaved at collective waits
+    #    the pass                takes     leaves
+    Pass(functionalize_random,   JOINT,    JOINT),     # random ops (dropout) -> Philox of (global element, op, step)
+    Pass(checkpoint_activations, JOINT,    JOINT),     # recomputable activations copied into the backward
+    Pass(shard_experts,          JOINT,    JOINT),     # EP: local expert blocks; re-sharding at EP region boundaries
+    Pass(unshard_parameters,     JOINT,    JOINT),     # ZeRO: where shards are needed whole, once per step or per use
+    Pass(reduce_gradients,       JOINT,    JOINT),     # DP/ZeRO: gradients Partial(avg) -> Replicate() or Shard(0)
+    Pass(lower_redistributions,  JOINT,    JOINT),     # every placement change -> its collective (one table)
+    Pass(propagate_placements,   JOINT,    JOINT),     # DTensor-style spec on every node (descriptive)
+    Pass(choose_schedule,        JOINT,    JOINT),     # the validated schedule: stage placement and action order
+    Pass(split_stages,           JOINT,    STAGED),    # per stage: F and B tasks, P/E for once-per-step ops
+    Pass(split_backward,         STAGED,   STAGED),    # zero-bubble schedules: B -> I (input grads) and W (weight grads)
+    Pass(bucket_collectives,     STAGED,   STAGED),    # per task: adjacent collectives -> buckets of at most bucket_mb
+    Pass(reorder_for_overlap,    STAGED,   STAGED),    # per task: waits sunk to first use, ZeRO-3 gathers prefetched
+    Pass(build_rank_programs,    STAGED,   PROGRAMS),  # schedule + tasks -> each rank's program (with send/recv)
+    Pass(fuse_overlapped_pairs,  PROGRAMS, PROGRAMS),  # DualPipe's F&B pairs: halves interleaved at collective waits
 )
 
 

@@ -30,9 +30,9 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from ..collectives.redistribute import state_redistribution
-from ..ir import TrainingDAG, forward_nodes
 from ..collectives.emit import cast
+from ..collectives.redistribute import is_redistribution, state_redistribution
+from ..ir import TrainingDAG, forward_nodes
 from ..ops import COMM_NOTE, PHASE, STEP_START, UNIT, UNSHARD, cast_dtype
 from ..options import Strategy
 from ..sharding.units import find_units
@@ -88,10 +88,10 @@ def _parameter_only_chain(marker: fx.Node, forward: set[fx.Node]) -> list[fx.Nod
 
 
 def _drop_idle_casts(graph: fx.Graph) -> None:
-    """Remove casts of values already of the cast's dtype (the full parameter, gathered in it)."""
+    """Remove the casts of gathered parameters that were gathered in the cast's dtype."""
     for node in list(graph.nodes):
         dtype = cast_dtype(node)
-        if dtype is not None and node.args[0].meta["val"].dtype == dtype:
+        if dtype is not None and is_redistribution(node.args[0]) and node.args[0].meta["val"].dtype == dtype:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
 

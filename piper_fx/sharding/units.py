@@ -115,8 +115,7 @@ def find_units(dag: TrainingDAG) -> Units:
     patterns = dag.strategy.units
     parameters = {i.name: i for i in dag.inputs if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)}
     forward = forward_nodes(dag)
-    is_unit: Callable[[str, str], bool] = (
-        _is_list_child if patterns is None else lambda name, cls: any(_names(p, name, cls) for p in patterns))
+    is_unit = _unit_test(patterns)
     reads, modules = [], {}
     for node in dag.joint.graph.nodes:
         if node.op != "call_function" or node not in forward:
@@ -145,6 +144,19 @@ def find_units(dag: TrainingDAG) -> Units:
         found_by = (f"found automatically, the children of the module lists {lists}" if lists
                     else "found automatically: the model has no module list")
     return Units(tuple(reads), found_by)
+
+
+def unit_of(node: fx.Node, patterns: tuple[str, ...] | None) -> str | None:
+    """The unit whose forward runs `node` (the outermost module on its `nn_module_stack`
+    that is a unit, found as `find_units` finds them), or None outside units."""
+    is_unit = _unit_test(patterns)
+    return next((name for name, cls in _module_path(node) if is_unit(name, cls)), None)
+
+
+def _unit_test(patterns: tuple[str, ...] | None) -> Callable[[str, str], bool]:
+    """Whether a module (name, class name) is a unit: by default a child of a module list, else one
+    that a pattern of the option `units` names."""
+    return _is_list_child if patterns is None else lambda name, cls: any(_names(p, name, cls) for p in patterns)
 
 
 def _is_list_child(name: str, cls: str) -> bool:

@@ -1,0 +1,93 @@
+"""Pass: recompute activations in the backward instead of keeping them (activation checkpointing).
+
+Requires: the joint graph after `functionalize_random` (a random op is Philox
+of fixed offsets, so a recomputed one draws the same values) and before the
+collective passes (the only communication in the graph is the ZeRO and
+expert markers).
+Guarantees: every backward read of a recomputable forward value reads a copy
+of it instead, made just before the first backward op that reads it, from
+copies of its own recomputable inputs, down to values that are kept. So only
+kept values cross from the forward to the backward, and a layer's recomputed
+activations live only while its backward runs. A copy keeps the metadata of
+the op it copies (`seq_nr`, `nn_module_stack`, annotations): being read by the
+backward alone, it is a backward op (`ir.forward_nodes`), and `split_stages`
+puts it in the backward task of its op's stage (the B task of that
+microbatch, or its I or W task once `split_backward` splits B).
+Recomputable forward ops, each in a region read only inside it (a region's
+outputs, the next region's inputs, are kept):
+  - with `activation_checkpointing` "full", every op inside a unit (the layers
+    ZeRO-3 gathers one at a time, `sharding.units`): a unit's inputs, and what
+    lies outside units, are kept;
+  - with "selective", the same but matmul and attention outputs are kept
+    (`ops.is_heavy`), as PyTorch's selective checkpointing keeps by default;
+  - whatever the mode, the ops the model's own `torch.utils.checkpoint` tagged
+    to recompute (AOTAutograd's `recompute` meta), so its regions keep only
+    their inputs, as in eager PyTorch.
+Never recomputed: placeholders, markers (a read of a sharded parameter: the
+collective passes gather it again for the backward), and ops inside an EP
+region (recomputing them would dispatch the tokens to the experts again).
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from ..ir import TrainingDAG, forward_nodes
+from ..ops import EXPERT_MARKERS, ZERO_MARKERS, is_heavy
+from ..options import Strategy
+from ..sharding.units import unit_of
+from .shard_experts import in_expert_region
+
+_RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+
+
+def _region(node: fx.Node, strategy: Strategy) -> tuple | None:
+    """The region `node` would be recomputed in: the model's checkpoint region that tagged it,
+    else (with the option on) its unit; None if it is in neither."""
+    if node.meta.get("recompute") in _RECOMPUTE:
+        return ("torch.utils.checkpoint", node.meta.get("ac_graph_id"))
+    if strategy.activation_checkpointing != "none":
+        unit = unit_of(node, strategy.units)
+        return None if unit is None else ("unit", unit)
+    return None
+
+
+def _recomputable(node: fx.Node, strategy: Strategy, forward: set[fx.Node]) -> bool:
+    """Whether `node` is recomputed: in a region, read only inside it (a region's outputs are the
+    next one's inputs, which are kept), and not a kept kind of op."""
+    if node.op != "call_function" or node.target in ZERO_MARKERS + EXPERT_MARKERS or in_expert_region(node):
+        return False
+    region = _region(node, strategy)
+    if region is None or any(_region(user, strategy) != region for user in node.users if user in forward):
+        return False
+    tagged = region[0] == "torch.utils.checkpoint"
+    return tagged or strategy.activation_checkpointing == "full" or not is_heavy(node)
+
+
+def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
+    if not dag.training:
+        return dag
+    graph = dag.joint.graph
+    forward = forward_nodes(dag)
+    recomputable = {n for n in graph.nodes if n in forward and _recomputable(n, strategy, forward)}
+    if not recomputable:
+        return dag
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def recomputed(node: fx.Node, before: fx.Node) -> fx.Node:
+        """`node`'s copy made before `before` (its inputs' copies first), or `node` itself if kept."""
+        if node not in recomputable:
+            return node
+        if node not in copies:
+            with graph.inserting_before(before):
+                copies[node] = graph.node_copy(node, lambda value: recomputed(value, before))
+        return copies[node]
+
+    for node in list(graph.nodes):  # the backward ops of the graph as captured, not the copies
+        if node.op == "call_function" and node not in forward:
+            for value in node.all_input_nodes:
+                if value in recomputable:
+                    node.replace_input_with(value, recomputed(value, node))
+    graph.lint()
+    dag.joint.recompile()
+    return dag

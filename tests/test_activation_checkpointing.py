@@ -1,0 +1,131 @@
+"""Activation checkpointing (option `activation_checkpointing`, pass `checkpoint_activations`):
+recomputation changes no number, and keeps only each unit's input across the forward and backward."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import piper_fx
+from examples.gpt import GPT, GPTConfig
+from ranks import run_ranks
+from training import SMALL, global_batch, pipeline_worker
+
+MODES = ("none", "full", "selective")
+B, T, D, H = 4, SMALL["block_size"], SMALL["n_embd"], SMALL["n_head"]  # the batch below, and the model's sizes
+
+
+def _train_one_process(n_layer: int, mode: str, steps: int = 3) -> dict:
+    cfg = GPTConfig(**{**SMALL, "n_layer": n_layer})
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    options = {"codegen": "eager", "activation_checkpointing": {"mode": mode}}
+    step = torch.compile(model, backend="piper", options=options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for i in range(steps):
+        loss = step(*global_batch(i, B, cfg))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    torch._dynamo.reset()
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()],
+            "activation_bytes": piper_fx.last_step_stats()["peak_activation_bytes"]}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return {(n_layer, mode): _train_one_process(n_layer, mode) for n_layer in (2, 3) for mode in MODES}
+
+
+def test_recomputation_changes_no_number(one_process):
+    for (n_layer, mode), run in one_process.items():
+        plain = one_process[(n_layer, "none")]
+        assert run["losses"] == plain["losses"], (n_layer, mode)
+        assert all(torch.equal(a, b) for a, b in zip(run["params"], plain["params"])), (n_layer, mode)
+
+
+def test_full_keeps_one_input_per_layer_and_selective_also_the_matmul_and_attention_outputs(one_process):
+    """Bytes kept from forward to backward per layer, as the difference between 3 and 2 layers:
+    with full checkpointing exactly the layer's input (B x T x D floats); with selective, at most
+    the input and the outputs of the layer's matmuls (qkv 3D, attention projection D, MLP 4D and
+    D) and of its attention (D, and its logsumexp, B x H x T floats); without, more."""
+    per_layer = {mode: one_process[(3, mode)]["activation_bytes"] - one_process[(2, mode)]["activation_bytes"]
+                 for mode in MODES}
+    floats = 4
+    assert per_layer["full"] == B * T * D * floats
+    assert per_layer["selective"] <= (1 + 3 + 1 + 1 + 4 + 1) * B * T * D * floats + B * H * T * floats
+    assert per_layer["full"] < per_layer["selective"] < per_layer["none"]
+    # Outside the layers (embeddings, head) nothing changes: the rest is the same for every mode.
+    outside = {mode: one_process[(2, mode)]["activation_bytes"] - 2 * per_layer[mode] for mode in MODES}
+    assert outside["full"] == outside["selective"] == outside["none"]
+
+
+class _CheckpointedMLP(torch.nn.Module):
+    """An MLP (with dropout) whose middle runs under the model's own `torch.utils.checkpoint`."""
+
+    def __init__(self, checkpointed: bool, p: float):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        self.drop, self.checkpointed = torch.nn.Dropout(p), checkpointed
+
+    def _middle(self, x):
+        return self.down(self.drop(torch.tanh(self.up(x))).sin())
+
+    def forward(self, x, y):
+        h = checkpoint(self._middle, x, use_reentrant=False) if self.checkpointed else self._middle(x)
+        return ((h - y) ** 2).mean()
+
+
+def _checkpointed_mlp_step(checkpointed: bool, p: float) -> dict:
+    torch.manual_seed(0)  # also the dropout seed, drawn when the step is compiled
+    model = _CheckpointedMLP(checkpointed, p)
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    loss = torch.compile(model, backend="piper", options={"codegen": "eager"})(x, y)
+    loss.backward()
+    eager(x, y).backward()
+    torch._dynamo.reset()
+    return {"loss": loss.item(), "grads": [p.grad for p in model.parameters()],
+            "eager_grads": [p.grad for p in eager.parameters()],
+            "kept": piper_fx.last_step_stats()["peak_activation_bytes"]}
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5])
+def test_the_models_own_torch_utils_checkpoint_is_recomputed(p):
+    """Its region keeps only its input (8 x 16 floats), and nothing else changes: a recomputed
+    dropout draws the same mask (its Philox offsets are the original's). Without dropout the
+    gradients are also eager PyTorch's (with it, eager draws other masks)."""
+    plain, checkpointed = _checkpointed_mlp_step(False, p), _checkpointed_mlp_step(True, p)
+    assert checkpointed["loss"] == plain["loss"]
+    assert all(torch.equal(a, b) for a, b in zip(checkpointed["grads"], plain["grads"]))
+    if p == 0:
+        for ours, eager in zip(checkpointed["grads"], checkpointed["eager_grads"]):
+            torch.testing.assert_close(ours, eager, rtol=1e-6, atol=1e-7)
+    assert checkpointed["kept"] == 8 * 16 * 4 < plain["kept"]
+
+
+@pytest.mark.parametrize("options", [
+    {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
+    {"mesh": {"pp": 2}, "pipeline": {"schedule": "zb1p", "microbatches": 2}},
+    {"mesh": {"dp": 2}, "zero": 3},
+], ids=["pp2-1f1b", "pp2-zb1p", "dp2-zero3"])
+def test_recomputation_under_pipelines_and_zero3_changes_no_number(options):
+    """Recomputed in each microbatch's B task (1F1B) or its I and W tasks (zero-bubble), or with
+    ZeRO-3's parameters gathered again for the backward: equal to the run without, bit for bit,
+    and to single-process training."""
+    pipelined = "pipeline" in options
+    configs = [{"options": {**options, "activation_checkpointing": {"mode": mode}}, "pp_regions": pipelined,
+                "per_rank_batch": 4, "tied": False} for mode in MODES]
+    for runs in run_ranks(pipeline_worker, 2, configs, deadline_s=400):
+        plain = runs[0]
+        for run in runs:
+            assert max(run["loss_errors"]) < 1e-5 and max(run["param_errors"].values()) < 1e-5
+            assert run["loss_errors"] == plain["loss_errors"]
+            assert run["trained_values"].keys() == plain["trained_values"].keys()
+            for name, value in run["trained_values"].items():
+                assert np.array_equal(value, plain["trained_values"][name]), name
