@@ -249,6 +249,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
           f"last {window} steps {statistics.fmean(losses[-window:]):.4f}")
     steady = f", then {(total_s - first_step_s) / (steps_run - 1) * 1000:.0f} ms/step" if steps_run > 1 else ""
     print(f"total time {total_s:.1f}s for {steps_run} steps (first step {first_step_s:.1f}s with compilation{steady})")
+    print(f"rank 0's {piper_fx.last_compile_stats()['summary']} (compile_stats.txt in the dumps)")
     print(f"debug dumps: {options['debug_dir']}")
     # A global batch no step trained on, through plain single-process PyTorch.
     x, y = batches(tokens, args.batch_size, args.block_size, args.steps, 0, 1)

@@ -91,7 +91,8 @@ class CompileStats:
         return kinds
 
     def as_dict(self) -> dict:
-        return {"total_s": self.total_s, "by_kind": self.by_kind(), "seconds": dict(self.seconds),
+        return {"summary": self.summary(), "total_s": self.total_s, "by_kind": self.by_kind(),
+                "seconds": dict(self.seconds),
                 "tasks": {kind: count for kind, count in self.tasks.items() if count}}
 
     def summary(self) -> str:
