@@ -13,7 +13,9 @@ median over rounds of each round's median step, with the spread of the rounds
 gradients, optimizer state and the most a step allocates above them, from the
 profiler's memory events), peak RSS per rank, compile time (first step with a
 cold Inductor cache, and again in a fresh Dynamo with the cache warm), and the
-loss after the last step (which must match).
+loss after the last step (which must match); and piper_fx's runtime: the share
+of its step spent outside tasks and waits (`last_step_stats()["runtime_fraction"]`)
+and that time per instruction of its program.
 Pairs: ZeRO-0 vs DDP, ZeRO-3 vs FSDP2 `fully_shard`, ZeRO-2 vs FSDP2 with
 `reshard_after_forward=False`, and each pipeline schedule (gpipe, 1f1b,
 interleaved_1f1b, zbv, dualpipev) vs torch.distributed.pipelining's same
@@ -158,6 +160,10 @@ def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: 
             i += 1
         for index in range(len(sides)):
             medians[index].append(statistics.median(times[index]))
+    # The piper_fx side's last step (the native sides run no piper_fx program): the runtime's own share.
+    stats = piper_fx.last_step_stats()
+    results[0].update(runtime_fraction=stats["runtime_fraction"],
+                      runtime_us_per_instruction=stats["runtime_s"] / stats["instructions"] * 1e6)
     for side, result, rounds_s in zip(sides, results, medians):
         loss = side.loss.clone()
         dist.all_reduce(loss)
@@ -372,7 +378,8 @@ def main() -> None:
           f"ratio = piper / native")
     header = (f"{'pair':<31} {'piper ms':>13} {'native ms':>13} {'native':>8} {'ratio':>5} {'piper tok/s':>11} "
               f"{'piper MB':>8} {'native MB':>9} {'piper RSS':>9} {'native RSS':>10} "
-              f"{'cold s':>11} {'warm s':>11} {'piper loss':>10} {'native loss':>11}  other native")
+              f"{'cold s':>11} {'warm s':>11} {'runtime':>7} {'us/instr':>8} {'piper loss':>10} {'native loss':>11}"
+              f"  other native")
     print(header)
     for name, ours, theirs, natives in rows:
         others = ", ".join(f"{n['kind']} {n['step_s'] * 1e3:.1f} ms, cold {n['cold_s']:.1f} s"
@@ -383,6 +390,7 @@ def main() -> None:
               f"{ours['peak_bytes'] / 2**20:8.2f} {theirs['peak_bytes'] / 2**20:9.2f} "
               f"{ours['rss_mb']:9.0f} {theirs['rss_mb']:10.0f} "
               f"{ours['cold_s']:5.1f}/{theirs['cold_s']:<5.1f} {ours['warm_s']:5.1f}/{theirs['warm_s']:<5.1f} "
+              f"{ours['runtime_fraction']:7.1%} {ours['runtime_us_per_instruction']:8.0f} "
               f"{ours['loss']:10.5f} {theirs['loss']:11.5f}  {others}")
 
 if __name__ == "__main__":

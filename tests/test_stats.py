@@ -13,6 +13,8 @@ def _check_times(stats):
     assert stats["compute_s"] + stats["comm_wait_s"] <= stats["step_s"] * 1.001, stats
     assert stats["exposed_comm_fraction"] == pytest.approx(stats["comm_wait_s"] / stats["step_s"])
     assert sum(stats["comm_wait_s_by_kind"].values()) == pytest.approx(stats["comm_wait_s"])
+    assert stats["compute_s"] + stats["comm_wait_s"] + stats["runtime_s"] == pytest.approx(stats["step_s"], rel=1e-3)
+    assert 0 < stats["runtime_fraction"] < 1
 
 
 def test_ddp_all_reduces_every_gradient_byte_once_per_step():

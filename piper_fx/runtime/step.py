@@ -47,6 +47,9 @@ def last_step_stats() -> dict:
       exposed communication, and `exposed_comm_fraction` = comm_wait_s / step_s;
       `comm_wait_s_by_kind` splits comm_wait_s by what was waited for
       (`all_to_all`, `all_gather`, ..., `recv`, `send`).
+      `runtime_s` = step_s - compute_s - comm_wait_s, the runtime's own work
+      (its instruction loop, freeing values, issuing sends), and
+      `runtime_fraction` = runtime_s / step_s.
       Waits inside tasks are timed only with the option `profile`; without
       it they count as compute;
     - `comm_bytes`: bytes this rank contributes per collective kind

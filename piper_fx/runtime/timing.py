@@ -76,8 +76,12 @@ class StepTimeline:
         for s in waits:
             by_kind[s.kind or "other"] = by_kind.get(s.kind or "other", 0.0) + (s.end_ns - s.start_ns) / 1e9
         step = (self.end_ns or time.time_ns()) - self.start_ns
+        # What is neither in a task nor waiting: the runtime's own work (its instruction loop,
+        # freeing values, issuing sends, these stats).
+        runtime = max(0, step - (tasks - waits_in_tasks) - waited)
         return {"step_s": step / 1e9, "compute_s": (tasks - waits_in_tasks) / 1e9, "comm_wait_s": waited / 1e9,
-                "exposed_comm_fraction": waited / step if step else 0.0, "comm_wait_s_by_kind": by_kind}
+                "exposed_comm_fraction": waited / step if step else 0.0, "comm_wait_s_by_kind": by_kind,
+                "runtime_s": runtime / 1e9, "runtime_fraction": runtime / step if step else 0.0}
 
     def chrome_trace(self) -> dict:
         """The step as a Chrome / Perfetto trace (open in ui.perfetto.dev or chrome://tracing)."""
