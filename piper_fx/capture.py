@@ -159,6 +159,8 @@ def _trace_mixed_precision(gm: fx.GraphModule, examples: list, policy: MixedPrec
       - floating outputs are cast to `output_dtype`.
     Gradients are reduced in `reduce_dtype` by `reduce_gradients`.
     """
+    if policy.param_dtype is None and policy.output_dtype is None:
+        return
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     param_dtype = policy.param_dtype

@@ -16,7 +16,8 @@ Each option maps onto the pass that consumes it:
 | prefetch     | passes.reorder_for_overlap (ZeRO-3 layers gathered ahead)|
 | units        | sharding.units (the layers ZeRO-3 gathers one at a time) |
 | mixed_precision | capture (casts traced into the program),              |
-|              | passes.reduce_gradients (reduce_dtype)                   |
+|              | passes.unshard_parameters (gathers in param_dtype),      |
+|              | passes.reduce_gradients (reductions in reduce_dtype)     |
 | activation_checkpointing | passes.checkpoint_activations            |
 | codegen      | capture (decompositions), codegen                        |
 | profile      | codegen (collective waits timed inside tasks)            |
