@@ -20,7 +20,7 @@ from .debug import DebugDump
 from .errors import PiperError
 from .ir import InputRole, TrainingDAG
 from .options import Strategy, parse_options_on_all_ranks
-from .passes import run_passes
+from .passes import dump_path, run_passes
 from .passes.functionalize_random import step_randomness
 from .philox import attach_stream
 from .prepare import check_prepared
@@ -62,7 +62,7 @@ def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: Deb
                              for t in tasks.values())
         else:
             text = dag.joint.print_readable(print_output=False)
-        dump.write(f"passes/{index + 2:02d}_{name}.py", text)
+        dump.write(dump_path(index, name), text)
         if name == "propagate_placements":
             dump.write("placement_table.txt", placement_table(dag.joint.graph))
         stats.lap("dumps")

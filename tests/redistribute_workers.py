@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from piper_fx.collectives.redistribute import LOWERINGS, REDISTRIBUTE, Redistribution, placement_name
+from piper_fx.passes import dump_path, lower_redistributions, position, reduce_gradients
 from piper_fx.sharding.row_shard import RowShardLayout
 
 ROWS, COLS = 5, 3  # 5 rows do not divide by 2 ranks: the last shard is padded
@@ -98,8 +99,8 @@ def stated_then_lowered(rank: int, world: int, debug_dir: str) -> list:
         torch.compile(model, backend="piper", options=options)(x, y).backward()
         torch._dynamo.reset()
         (graph_dir,) = (Path(debug_dir) / f"zero{zero}" / f"rank{rank}").iterdir()
-        stated = (graph_dir / "passes/05_reduce_gradients.py").read_text()
-        lowered = (graph_dir / "passes/06_lower_redistributions.py").read_text()
+        stated = (graph_dir / dump_path(position(reduce_gradients), "reduce_gradients")).read_text()
+        lowered = (graph_dir / dump_path(position(lower_redistributions), "lower_redistributions")).read_text()
         found.append({"zero": zero, "stated": MARKER.findall(stated), "collectives_before": COLLECTIVE.findall(stated),
                       "lowered": COLLECTIVE.findall(lowered), "markers_after": MARKER.findall(lowered)})
     return found

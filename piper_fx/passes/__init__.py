@@ -73,6 +73,12 @@ def position(function: PassFunction, pipeline: Sequence[Pass] = PIPELINE) -> int
     return [p.run for p in pipeline].index(function)
 
 
+def dump_path(index: int, name: str) -> str:
+    """The debug dump of the program after pass `index` (named `name`) of a pipeline, numbered
+    after the Dynamo graph (00) and the joint graph (01)."""
+    return f"passes/{index + 2:02d}_{name}.py"
+
+
 def run_passes(dag: TrainingDAG, strategy: Strategy, after_pass: Callable[[int, str, TrainingDAG], None],
                pipeline: Sequence[Pass | PassFunction] = PIPELINE) -> TrainingDAG:
     """Run `pipeline` in order (a bare function is a pass within the level it is given).

@@ -29,6 +29,8 @@ region (recomputing them would dispatch the tokens to the experts again).
 """
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -70,6 +72,8 @@ def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     graph = dag.joint.graph
     forward = forward_nodes(dag)
     recomputable = {n for n in graph.nodes if n in forward and _recomputable(n, strategy, forward)}
+    # A part of a multi-output op (attention's output) is recomputed with the op or kept with it.
+    recomputable -= {n for n in recomputable if n.target is operator.getitem and n.args[0] not in recomputable}
     if not recomputable:
         return dag
     copies: dict[fx.Node, fx.Node] = {}
