@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import operator
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, ClassVar, Hashable, Union
+from typing import Any, Callable, ClassVar, Hashable, Sequence, Union
 
 import torch
 
@@ -130,9 +130,10 @@ class Send:
     peer: int
     tag: int
     nbytes: int = 0
+    order: tuple[int, ...] | None = None  # the value's `memory_order`: it travels in that order
 
     def __str__(self) -> str:
-        return f"send  {self.value}{_mb(self.microbatch)} -> rank {self.peer} (tag {self.tag})"
+        return f"send  {self.value}{_mb(self.microbatch)} -> rank {self.peer} (tag {self.tag}){_order(self.order)}"
 
 
 @dataclass(frozen=True)
@@ -150,16 +151,42 @@ class Recv:
     dtype: torch.dtype
     accumulate: bool = False
     device: torch.device | None = None  # where the value lives on this rank (the model's device)
+    # The value's `memory_order`: it arrives in that order and is read through the inverse
+    # permutation, with the strides its readers were compiled for.
+    order: tuple[int, ...] | None = None
 
     def __str__(self) -> str:
         verb = "recv+" if self.accumulate else "recv "
-        return f"{verb} {self.value}{_mb(self.microbatch)} <- rank {self.peer} (tag {self.tag})"
+        return f"{verb} {self.value}{_mb(self.microbatch)} <- rank {self.peer} (tag {self.tag}){_order(self.order)}"
 
 
 Instruction = Union[Run, Send, Recv]
 
+def memory_order(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...] | None:
+    """The dims of a dense tensor laid out other than row-major (such as attention's
+    output, the transpose of a contiguous tensor), from outermost to innermost in
+    memory: `tensor.permute(order)` is contiguous. None for a contiguous tensor, and
+    for one that is not dense (it travels as a contiguous copy)."""
+    def row_major(dims: Sequence[int]) -> bool:
+        expected = 1
+        for dim in reversed(dims):
+            if shape[dim] != 1 and stride[dim] != expected:
+                return False
+            expected *= shape[dim]
+        return True
+
+    if row_major(range(len(shape))):
+        return None
+    order = tuple(sorted(range(len(shape)), key=lambda dim: -stride[dim]))
+    return order if row_major(order) else None
+
+
 def _nbytes(val) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _order(order: tuple[int, ...] | None) -> str:
+    return "" if order is None else f" in dim order {order}"
 
 
 def _mb(microbatch: int | None) -> str:

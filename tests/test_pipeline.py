@@ -1,5 +1,8 @@
 """Pipelines (GPipe, 1F1B, interleaved 1F1B), alone and with DP/ZeRO, equal single-process training."""
 
+import torch
+
+from piper_fx.ir import memory_order
 from ranks import run_ranks
 from models import ONE_F_ONE_B_DIRECTIVES, reversed_gpipe
 from training import activation_memory_worker, pipeline_worker
@@ -38,6 +41,10 @@ def test_two_stage_schedules_and_model_shapes():
         {"options": _pp(2, "zb1p", 4), "pp_regions": True, "per_rank_batch": 4},
         {"options": _pp(2, "zb1p", 2), "model": "skip", "per_rank_batch": 4},
         {"options": _pp(2, "zbv", 4), "pp_regions": True, "n_layer": 4, "per_rank_batch": 4},
+        # 3 layers over 4 stages: stages split inside attention, whose values there are laid out
+        # as transposes (`memory_order`), and the receiving stage reads them with those strides.
+        {"options": _pp(2, "zbv", 4), "n_layer": 3, "per_rank_batch": 8,
+         "model_kwargs": {"block_size": 32, "n_embd": 64}},
         {"options": {"mesh": {"pp": 2}, "pipeline": {"schedule": reversed_gpipe}}, "pp_regions": True,
          "per_rank_batch": 4},
         {"options": {"mesh": {"pp": 2}, "directives": ONE_F_ONE_B_DIRECTIVES}, "pp_regions": True,
@@ -100,3 +107,12 @@ def test_another_batch_size_than_compiled_is_a_clear_error():
     from training import batch_shape_change_worker
     for message in run_ranks(batch_shape_change_worker, 2, deadline_s=120):
         assert "has shape (6, 9), but this step was compiled for (4, 9)" in message
+
+
+def test_memory_order_names_the_layout_a_value_travels_in():
+    assert memory_order((2, 3, 4), (12, 4, 1)) is None  # contiguous
+    transposed = torch.empty(2, 4, 3, 5).transpose(1, 2)  # attention's output before its reshape
+    order = memory_order(transposed.shape, transposed.stride())
+    assert order == (0, 2, 1, 3) and transposed.permute(order).is_contiguous()
+    assert memory_order((4, 1, 3), (3, 99, 1)) is None  # a size-1 dim's stride does not matter
+    assert memory_order((4, 3), (1, 8)) is None  # not dense: travels as a contiguous copy

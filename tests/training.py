@@ -75,7 +75,8 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     """
     from models import MODELS, batch
 
-    cfg = GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=tied, n_expert=experts,
+    gpt_sizes = {} if model in MODELS else (model_kwargs or {})  # the GPT's: sizes other than SMALL's
+    cfg = GPTConfig(**{**SMALL, "n_layer": n_layer, **gpt_sizes}, tied_embeddings=tied, n_expert=experts,
                     capacity_factor=capacity_factor)
     model_fn = (lambda: MODELS[model](**(model_kwargs or {}))) if model in MODELS else (lambda: GPT(cfg))
     batch_fn = batch if model in MODELS else (lambda i, rows: global_batch(i, rows, cfg))
@@ -225,6 +226,7 @@ def pipeline_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
         options = {"codegen": "eager", **config.pop("options")}
         config = {"steps": 3, "tied": False, **config}
         results.append(train_and_compare(rank, world, options, "sgd", **config))
+        torch._dynamo.reset()  # each config compiles its own model (as the rank pool does between runs)
     return results
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir import (InputRole, Instruction, OutputRole, RankProgram, Recv, Run, Send, Task, TaskKind,
-                  TrainingDAG)
+                  TrainingDAG, memory_order)
 from ..options import Strategy
 from ..schedules import PAIR_SEPARATOR, Action, Schedule
 from .task_graphs import fuse_tasks
@@ -133,12 +133,13 @@ class _Transfers:
 
     def send(self, name: str, microbatch: int | None, peer: int, tag: int) -> Send:
         val = self.joint_nodes[name].meta["val"]
-        return Send(name, microbatch, self.global_rank(peer), tag, val.numel() * val.element_size())
+        return Send(name, microbatch, self.global_rank(peer), tag, val.numel() * val.element_size(),
+                    memory_order(val.shape, val.stride()))
 
     def recv(self, name: str, microbatch: int | None, peer: int, tag: int, accumulate: bool = False) -> Recv:
         val = self.joint_nodes[name].meta["val"]
         return Recv(name, microbatch, self.global_rank(peer), tag, tuple(val.shape), val.dtype, accumulate,
-                    val.device)
+                    val.device, memory_order(val.shape, val.stride()))
 
     def receives(self, task: Task, microbatch: int | None, pp_rank: int,
                  received: set[tuple[str, int | None]]) -> list[Instruction]:
