@@ -45,6 +45,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import piper_fx  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
+from piper_fx.runtime.memory import peak_allocated_bytes  # noqa: E402
 
 CFG = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64)
 WARMUP = 3
@@ -65,19 +66,6 @@ def _resident_bytes(params, opt) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensors: this rank's shard
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
-
-
-def _peak_allocated_bytes(run) -> int:
-    """Most bytes allocated above the starting point while `run()` runs (profiler memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    deltas = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
-    current = peak = 0
-    for _, delta in deltas:
-        current += delta
-        peak = max(peak, current)
-    return peak
 
 
 def _reset_peak_rss() -> None:
@@ -170,7 +158,7 @@ def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: 
         dist.barrier()
         step_s = statistics.median(rounds_s)
         result.update(step_s=step_s, spread=(max(rounds_s) - min(rounds_s)) / step_s, loss=loss.item() / world,
-                      peak_bytes=_resident_bytes(side.params, side.opt) + _peak_allocated_bytes(lambda: side.run(i)))
+                      peak_bytes=_resident_bytes(side.params, side.opt) + peak_allocated_bytes(lambda: side.run(i))[1])
     torch._dynamo.reset()  # compile again: Inductor's caches are warm now
     for side, result in zip(sides, results):
         side.build()

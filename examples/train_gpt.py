@@ -266,7 +266,7 @@ def rank_summary(rank: int, strategy, stats: list[dict]) -> dict:
             "compute_s": median("compute_s"), "comm_wait_s": median("comm_wait_s"),
             "exposed": median("exposed_comm_fraction"), "comm_bytes": stats[-1]["comm_bytes"],
             "peak_activation_bytes": max(s["peak_activation_bytes"] for s in stats),
-            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "memory": stats[-1]["memory"], "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def print_summary(summaries: list[dict], tokens_per_step: int) -> None:
@@ -280,6 +280,13 @@ def print_summary(summaries: list[dict], tokens_per_step: int) -> None:
         print(f"{s['rank']:4d} {s['pp']:3d} {s['dp']:3d} {s['step_s'] * 1e3:8.1f} {s['compute_s'] * 1e3:11.1f} "
               f"{s['comm_wait_s'] * 1e3:13.1f} {s['exposed']:8.0%} {s['peak_activation_bytes'] / 1024:15.0f} "
               f"{s['max_rss_mb']:11.0f}  {sent}")
+    parts = [part for part in summaries[0]["memory"] if part != "peak"]
+    print("where each rank's memory goes at its step's peak, KB (last_step_stats()['memory']):")
+    print(f"{'rank':>4} " + " ".join(f"{part.replace('_', ' '):>{max(len(part), 8)}}" for part in parts) + f" {'= peak':>8}")
+    for s in summaries:
+        memory = s["memory"]
+        print(f"{s['rank']:4d} " + " ".join(f"{memory[part] / 1024:{max(len(part), 8)}.0f}" for part in parts)
+              + f" {memory['peak'] / 1024:8.0f}")
 
 
 def run_rank(rank: int, world_size: int, init_method: str, args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ..ir import Instruction, RankProgram, Recv, Run, Send
 from . import failures
-from .memory import storage_key
+from .memory import MEMORY_PARTS, TaskPeak, storage_key, task_peak
 from .timing import COMM_WAIT, COMPUTE, StepTimeline, recording
 
 # Context managers entered around every task run, e.g. a dispatch mode that
@@ -36,59 +36,124 @@ def around_tasks(*contexts) -> Iterator[None]:
         _TASK_CONTEXTS.reset(token)
 
 
-class _ActivationBytes:
-    """Bytes of the per-microbatch values the program made or is receiving, kept
-    up to date as values come and go (a scan of every value after every
-    instruction cost a tenth of a pipeline step). The step's inputs (batch,
-    parameters) and views of them, such as a transposed weight, do not count;
-    a storage shared by several values counts once."""
+class _HeldBytes:
+    """Bytes of the values the program holds, by memory part (`MEMORY_PARTS`), kept
+    up to date as values come and go (a scan of every value after every instruction
+    cost a tenth of a pipeline step), and the most held at once with its parts.
+    The step's inputs (batch, parameters) and views of them, such as a transposed
+    weight, do not count here; a storage shared by several values counts once, in
+    the part of the first."""
 
-    def __init__(self, input_storages: set[int]):
+    def __init__(self, part_of: dict[str, str | None], input_storages: set[int], held: dict[str, int]):
+        # Value name -> its part where the name decides it (None for the step's inputs);
+        # any other value's part follows from its key.
+        self.part_of = part_of
         self.input_storages = input_storages
-        self.live: dict[int, list[int]] = {}  # storage (`storage_key`) -> [bytes, values on it]
-        self.current = 0
+        self.live: dict[int, list] = {}  # storage (`storage_key`) -> [bytes, values on it, part]
+        self.parts = {part: held.get(part, 0) for part in MEMORY_PARTS}
+        self.total = sum(self.parts.values())
+        self.peak_parts = {**self.parts, "task_temporaries": 0}
+        self.peak_total = self.total
+        self.activation_peak = 0
+
+    def _part(self, key: Key) -> str | None:
+        name, microbatch = key
+        return self.part_of[name] if name in self.part_of else (
+            "activations" if microbatch is not None else "communication_buffers")
 
     def add(self, key: Key, value) -> None:
-        if key[1] is None or not isinstance(value, torch.Tensor):
-            return
-        storage = storage_key(value)
-        if storage in self.input_storages:
-            return
-        entry = self.live.setdefault(storage, [value.untyped_storage().nbytes(), 0])
-        if entry[1] == 0:
-            self.current += entry[0]
-        entry[1] += 1
+        """Count `value` set under `key`."""
+        part = self._part(key)
+        if part is not None and isinstance(value, torch.Tensor):
+            self.hold(value, part)
 
     def remove(self, key: Key, value) -> None:
-        if key[1] is None or not isinstance(value, torch.Tensor):
+        """Stop counting `value`, no longer held under `key`."""
+        if self._part(key) is not None and isinstance(value, torch.Tensor):
+            self.release(value)
+
+    def hold(self, tensor: torch.Tensor, part: str) -> None:
+        """Count `tensor` in `part`, unless its storage is counted already or is the step's input."""
+        storage = storage_key(tensor)
+        if storage in self.input_storages:
             return
-        storage = storage_key(value)
-        entry = self.live.get(storage)
+        entry = self.live.setdefault(storage, [tensor.untyped_storage().nbytes(), 0, part])
+        if entry[1] == 0:
+            self.parts[entry[2]] += entry[0]
+            self.total += entry[0]
+        entry[1] += 1
+
+    def release(self, tensor: torch.Tensor) -> None:
+        entry = self.live.get(storage_key(tensor))
         if entry is None:
             return
         entry[1] -= 1
         if entry[1] == 0:
-            self.current -= entry[0]
-            del self.live[storage]
+            self.parts[entry[2]] -= entry[0]
+            self.total -= entry[0]
+            del self.live[storage_key(tensor)]
+
+    def observe(self) -> None:
+        """Note what is held now."""
+        self.activation_peak = max(self.activation_peak, self.parts["activations"])
+        if self.total > self.peak_total:
+            self.peak_total = self.total
+            self.peak_parts = {**self.parts, "task_temporaries": 0}
+
+    def observe_task(self, peak: TaskPeak, released: list) -> None:
+        """Note what is held at the `peak` of a task about to run, whose inputs
+        `released` (values at `peak.released`) it frees by then."""
+        total = self.total + peak.made
+        freed: dict[str, int] = {}
+        for value in released:
+            entry = self.live.get(storage_key(value)) if isinstance(value, torch.Tensor) else None
+            if entry is not None and entry[1] == 1:  # no other value holds its storage
+                freed[entry[2]] = freed.get(entry[2], 0) + entry[0]
+                total -= entry[0]
+        if total > self.peak_total:
+            self.peak_total = total
+            self.peak_parts = {**{part: held - freed.get(part, 0) for part, held in self.parts.items()},
+                               "task_temporaries": peak.made}
+
+    def peak(self) -> dict[str, int]:
+        """The parts at the moment the most was held, and their sum (`peak`)."""
+        return {"peak": self.peak_total, **self.peak_parts}
 
 
 class _Values(dict):
-    """The program's values by key, reporting every value set or dropped to an `_ActivationBytes`."""
+    """The program's values by key, reporting every value set or dropped to a `_HeldBytes`."""
 
-    def __init__(self, values: dict, tracked: _ActivationBytes):
+    def __init__(self, values: dict, tracked: _HeldBytes):
         super().__init__(values)
         self.tracked = tracked
+        self.sums: set[Key] = set()  # keys whose value is a sum `accumulate` made
 
     def __setitem__(self, key: Key, value) -> None:
         if key in self:
             self.tracked.remove(key, dict.__getitem__(self, key))
+        self.sums.discard(key)
         super().__setitem__(key, value)
         self.tracked.add(key, value)
 
     def pop(self, key: Key, *default):
         if key in self:
             self.tracked.remove(key, dict.__getitem__(self, key))
+        self.sums.discard(key)
         return super().pop(key, *default)
+
+    def accumulate(self, key: Key, value: torch.Tensor) -> None:
+        """Add `value` to the value held under `key`, or hold it if there is none: into
+        a new tensor the first time (the value held may be read elsewhere, such as a
+        received buffer or a task's output), in place into that sum after, until the
+        sum is read (a partial sum sent to another rank must stay as it was sent)."""
+        held = self.get(key)
+        if held is None:
+            self[key] = value
+        elif key in self.sums:
+            held.add_(value)
+        else:
+            self[key] = held + value
+            self.sums.add(key)
 
 
 def _value(name: str, microbatch: int | None) -> str:
@@ -100,13 +165,40 @@ class _Receiving:
 
     def __init__(self, instruction: Recv):
         self.instruction = instruction
-        self.buffer = torch.empty(instruction.shape, dtype=instruction.dtype, device=instruction.device)
-        self.work = dist.irecv(self.buffer, src=instruction.peer, tag=instruction.tag)
+        order = instruction.order
+        wire = instruction.shape if order is None else tuple(instruction.shape[dim] for dim in order)
+        received = torch.empty(wire, dtype=instruction.dtype, device=instruction.device)
+        self.work = dist.irecv(received, src=instruction.peer, tag=instruction.tag)
+        # The value as its readers were compiled for it: the received rows read in `order`.
+        self.buffer = received if order is None else received.permute(_inverse(order))
 
     def wait(self, timeline: StepTimeline) -> torch.Tensor:
         with timeline.span(f"recv {self.instruction.value}", COMM_WAIT, "recv"):
             self.work.wait()
         return self.buffer
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return tuple(inverse)
+
+
+def _in_flight(sends: list[tuple[dist.Work, torch.Tensor]], memory: _HeldBytes) -> list:
+    """The sends not yet completed; the tensors of the others no longer held."""
+    flying = []
+    for work, wire in sends:
+        if work.is_completed():
+            memory.release(wire)
+        else:
+            flying.append((work, wire))
+    return flying
+
+
+def _wire(tensor: torch.Tensor, send: Send) -> torch.Tensor:
+    """What a send puts on the wire: `tensor` in its memory order (`Send.order`), contiguous."""
+    return (tensor if send.order is None else tensor.permute(send.order)).contiguous()
 
 
 class _Position:
@@ -154,12 +246,38 @@ class ProgramExecutor:
         self.program = program
         self.compiled = compiled
         self.comm_bytes = program.communication_bytes()  # fixed by the program: counted once
+        self.part_of: dict[str, str | None] = {name: "gradients" for name in program.accumulated | set(program.outputs)}
+        self.part_of.update(dict.fromkeys(program.inputs))
         # Each value dropped after its last reader: the schedule the program-level verifier checks.
         self.drop_after: list[list[Key]] = program.frees_after()
+        # Per run instruction: the values its task is called with, in order.
+        self.arguments: dict[int, list[Key]] = {
+            index: program.reads(instruction) for index, instruction in enumerate(program.instructions)
+            if isinstance(instruction, Run)}
+        self.task_peaks = self._task_peaks()
 
-    def run(self, values: dict[Key, torch.Tensor], call: int) -> tuple[dict[str, torch.Tensor], StepRun]:
+    def _task_peaks(self) -> dict[int, tuple[TaskPeak, list[Key]]]:
+        """Per run instruction: its task's peak (`task_peak`) and the values it has freed by then."""
+        peaks: dict[int, tuple[TaskPeak, list[Key]]] = {}
+        by_task: dict[tuple[str, tuple[int, ...]], TaskPeak] = {}  # runs of one task free alike
+        for index, instruction in enumerate(self.program.instructions):
+            if isinstance(instruction, Run):
+                arguments = self.arguments[index]
+                dropped = set(self.drop_after[index])
+                releasable = tuple(i for i, key in enumerate(arguments) if key in dropped)
+                cache = (instruction.task, releasable)
+                if cache not in by_task:
+                    by_task[cache] = task_peak(self.program.tasks[instruction.task].graph.graph, releasable)
+                peak = by_task[cache]
+                peaks[index] = (peak, [arguments[i] for i in peak.released])
+        return peaks
+
+    def run(self, values: dict[Key, torch.Tensor], call: int,
+            held: dict[str, int] | None = None) -> tuple[dict[str, torch.Tensor], StepRun]:
         """Run every instruction; `values` holds the program inputs and is consumed.
-        Returns the program's outputs and what the run measured.
+        `held` gives the memory parts the step holds throughout (its parameters,
+        their optimizer state, gradients from before). Returns the program's
+        outputs and what the run measured.
 
         `call` numbers this step call alike on every rank (`failures.next_call`).
         If the program fails, this raises what `failures.raise_failure` makes of
@@ -172,16 +290,18 @@ class ProgramExecutor:
         position = _Position()
         try:
             with recording(timeline):
-                results, peak = self._run(values, timeline, position)
+                results, memory = self._run(values, timeline, position, held or {})
         except Exception as error:
             failures.raise_failure(error, self.program.rank, call, position.describe())
-        stats = {**timeline.stats(), "comm_bytes": dict(self.comm_bytes), "peak_activation_bytes": peak,
+        stats = {**timeline.stats(), "comm_bytes": dict(self.comm_bytes),
+                 "peak_activation_bytes": memory.activation_peak, "memory": memory.peak(),
                  "instructions": len(self.program.instructions)}
         return results, StepRun(stats, timeline)
 
-    def _run(self, values: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position):
+    def _run(self, values: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position,
+             held: dict[str, int]):
         program = self.program
-        pending_sends: list[dist.Work] = []
+        pending_sends: list[tuple[dist.Work, torch.Tensor]] = []  # each send's work and the tensor it sends
         receiving: dict[Key, list[_Receiving]] = {}  # posted receives, completed by the value's first reader
 
         def arrive(key: Key) -> None:
@@ -189,49 +309,55 @@ class ProgramExecutor:
                 position.receiving = posted.instruction
                 buffer = posted.wait(timeline)
                 position.receiving = None
-                activations.remove(key, buffer)  # no longer in flight: counted as a value below
-                held = values.get(key) if posted.instruction.accumulate else None
-                values[key] = buffer if held is None else held + buffer
+                memory.release(buffer)  # no longer in flight: counted as a value below
+                if posted.instruction.accumulate:
+                    values.accumulate(key, buffer)
+                else:
+                    values[key] = buffer
 
         input_storages = {storage_key(v) for v in values.values() if isinstance(v, torch.Tensor)}
-        activations = _ActivationBytes(input_storages)
-        tracked = _Values(values, activations)
+        memory = _HeldBytes(self.part_of, input_storages, held)
+        tracked = _Values(values, memory)
         values.clear()  # consumed: the runtime holds the only references, so values die at their last use
         values = tracked
-        peak = 0
         for index, instruction in enumerate(program.instructions):
             position.instruction = instruction
             if not isinstance(instruction, Recv):
                 for key in program.reads(instruction):
                     arrive(key)
+                    values.sums.discard(key)  # read (sent, or passed to a task): a later sum is a new tensor
             if isinstance(instruction, Run):
+                peak, released = self.task_peaks[index]
+                memory.observe_task(peak, [values.get(key) for key in released])
                 with timeline.span(instruction.label, COMPUTE):
                     self._run_task(instruction, values, index)
             elif isinstance(instruction, Send):
                 tensor = values[program.key(instruction.value, instruction.microbatch)]
-                pending_sends.append(dist.isend(tensor.contiguous(), dst=instruction.peer, tag=instruction.tag))
+                wire = _wire(tensor, instruction)
+                pending_sends.append((dist.isend(wire, dst=instruction.peer, tag=instruction.tag), wire))
+                memory.hold(wire, "communication_buffers")  # held by the transfer until it completes
             elif isinstance(instruction, Recv):
                 key = program.key(instruction.value, instruction.microbatch)
                 posted = _Receiving(instruction)
                 receiving.setdefault(key, []).append(posted)
-                activations.add(key, posted.buffer)
+                memory.hold(posted.buffer, "communication_buffers")
             if not isinstance(instruction, Send):  # only runs and receives add values
-                peak = max(peak, activations.current)
-            pending_sends = [work for work in pending_sends if not work.is_completed()]
+                memory.observe()
+            if pending_sends:
+                pending_sends = _in_flight(pending_sends, memory)
             for key in self.drop_after[index]:
                 values.pop(key, None)
         for key in list(receiving):
             arrive(key)
         position.draining_sends = True
         with timeline.span("sends in flight", COMM_WAIT, "send"):
-            for work in pending_sends:
+            for work, _ in pending_sends:
                 work.wait()
-        return {name: values[(name, None)] for name in program.outputs if (name, None) in values}, peak
+        return {name: values[(name, None)] for name in program.outputs if (name, None) in values}, memory
 
     def _run_task(self, instruction: Run, values: dict[Key, torch.Tensor], index: int) -> None:
         program = self.program
-        args = [values[program.key(name, run.microbatch)] for run in instruction.runs
-                for name in program.tasks[run.task].inputs]
+        args = [values[key] for key in self.arguments[index]]
         # Drop our references first, so the boxed task frees each input at its last use.
         for key in self.drop_after[index]:
             values.pop(key, None)
@@ -245,7 +371,6 @@ class ProgramExecutor:
             for name in program.tasks[run.task].outputs:
                 value = next(results)
                 if name in program.accumulated:
-                    previous = values.get((name, None))
-                    values[(name, None)] = value if previous is None else previous + value
+                    values.accumulate((name, None), value)
                 else:
                     values[program.key(name, run.microbatch)] = value

@@ -1,4 +1,10 @@
-"""Measure live tensor bytes of chosen ops while a program runs (CPU included).
+"""Where a rank's memory goes, and a measure of live tensor bytes of chosen ops.
+
+`MEMORY_PARTS` are the parts of a step's peak memory that `last_step_stats()`
+reports (`memory`): the executor tracks the values it holds by part as they
+come and go; `task_peak` estimates what a task holds inside itself from its
+graph; `optimizer_state_bytes` is what optimizers hold for a
+parameter, recorded after each optimizer step.
 
 `LiveStorageBytes` is a dispatch mode that follows the storages produced by
 the ops it is told to watch (e.g. the all-gathers that materialize full
@@ -9,17 +15,178 @@ as it runs, with eager codegen (Inductor's compiled kernels bypass dispatch).
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Collection, Iterable
 
 import torch
+from torch import fx
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
-from ..compat import TorchDispatchMode, tree_leaves
+from ..compat import ProfilerEventType, TorchDispatchMode, tree_leaves
+
+# The parts of a step's peak memory, in the order they are reported:
+# - parameters: the parameter and buffer storage the rank's program reads (its shards under ZeRO);
+# - optimizer_state: what optimizers hold for those parameters (`optimizer_state_bytes`);
+# - gradients: the program's gradients (accumulated over microbatches) and the
+#   parameters' `.grad` held from before the step;
+# - activations: per-microbatch values held between tasks (saved for backward, received);
+# - communication_buffers: receives in flight and per-step values made by
+#   collectives, such as parameters gathered once for every microbatch (ZeRO-1/2);
+# - task_temporaries: what the running task holds inside itself (`task_peak`).
+MEMORY_PARTS = ("parameters", "optimizer_state", "gradients", "activations", "communication_buffers",
+                "task_temporaries")
 
 
 def storage_key(tensor: torch.Tensor) -> int:
     """The identity of `tensor`'s storage, shared by its views. Not the storage's
     address: on a device without memory (`meta`) every storage has address 0."""
     return tensor.untyped_storage()._cdata
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def storage_bytes(tensors: Iterable[object]) -> int:
+    """Bytes of the distinct storages of `tensors` (a DTensor's: its local tensor's);
+    anything that is not a tensor counts nothing."""
+    storages = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            local = _local(tensor)
+            storages[storage_key(local)] = local.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+# Parameter -> bytes of the optimizer state kept for it, as of its optimizer's last step.
+# Kept by parameter, not by step: the optimizer belongs to the user, and a step only
+# knows its parameters. Recorded by a hook on every optimizer's step, installed when
+# piper_fx compiles its first step (`record_optimizer_state`).
+_OPTIMIZER_STATE_BYTES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_RECORDING: list = []  # the hook's handle, once installed
+
+
+def _record(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            state = optimizer.state.get(parameter)
+            if state:
+                _OPTIMIZER_STATE_BYTES[parameter] = storage_bytes(state.values())
+
+
+def record_optimizer_state() -> None:
+    """From now on, record the optimizer state bytes of every parameter after each
+    optimizer step (`torch.optim.Optimizer` step post hook, installed once)."""
+    if not _RECORDING:
+        _RECORDING.append(register_optimizer_step_post_hook(_record))
+
+
+def peak_allocated_bytes(fn: Callable[[], object]) -> tuple[object, int]:
+    """Run `fn` and measure the most bytes it had allocated at once through the CPU
+    allocator (every tensor, inside compiled kernels too, and op and collective
+    workspaces), over what was allocated before it: `fn`'s result and that peak.
+    A measurement for tests and benchmarks (it runs `fn` under the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        result = fn()
+
+    def events(nodes):
+        for node in nodes:
+            yield node
+            yield from events(node.children)
+
+    # Each allocation's size (negative: a free), in time order. Not the allocator's own
+    # running total: it counts only while profiling, so it drifts across runs.
+    tree = profiler.profiler.kineto_results.experimental_event_tree()
+    allocations = sorted((event.start_time_ns, event.extra_fields.alloc_size) for event in events(tree)
+                         if event.tag == ProfilerEventType.Allocation)
+    current = peak = 0
+    for _, size in allocations:
+        current += size
+        peak = max(peak, current)
+    return result, peak
+
+
+def optimizer_state_bytes(parameters: Iterable[torch.Tensor]) -> int:
+    """Bytes of optimizer state held for `parameters` as of their optimizers' last steps
+    (0 before the first step, or for a parameter no optimizer steps)."""
+    return sum(_OPTIMIZER_STATE_BYTES.get(parameter, 0) for parameter in parameters)
+
+
+@dataclass(frozen=True)
+class TaskPeak:
+    """The moment a task run holds the most: `made` bytes of tensors it made and still
+    holds (its outputs included), once it has freed the inputs at `released` (their
+    positions among the task's inputs)."""
+
+    made: int
+    released: tuple[int, ...]
+
+
+def task_peak(graph: fx.Graph, releasable: Collection[int] = ()) -> TaskPeak:
+    """Where a task run holds the most, running its graph node by node as eager codegen
+    does (each value freed after its last use; Inductor's fused kernels hold no more):
+    an estimate from the graph's fake values, whose views share their base's storage,
+    so a view or an in-place result costs nothing. The inputs at the positions
+    `releasable` are the runtime's to free: it drops them before the run, so each is
+    freed at its last use inside the task. Inputs, and views of them, are counted
+    where the inputs are."""
+    def storages(value) -> list[tuple[int, int]]:
+        return [(storage_key(t), t.untyped_storage().nbytes()) for t in tree_leaves(value)
+                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
+
+    nodes = list(graph.nodes)
+    last_use: dict[int, int] = {}  # storage -> index of the last node that is or reads a value on it
+    sizes: dict[int, int] = {}
+    made_at: dict[int, int] = {}  # storage the task makes -> index of the node making it
+    input_at: dict[int, int] = {}  # storage of a releasable input -> its position
+    input_bytes: dict[int, int] = {}  # position of a releasable input -> its bytes
+    inputs: set[int] = set()
+    outputs: set[int] = set()
+    placeholders = 0
+    for index, node in enumerate(nodes):
+        if node.op == "output":
+            outputs.update(key for arg in node.all_input_nodes for key, _ in storages(arg.meta.get("val")))
+            continue
+        for key, nbytes in storages(node.meta.get("val")):
+            if node.op == "placeholder":
+                inputs.add(key)
+                if placeholders in releasable:
+                    input_at[key], sizes[key] = placeholders, nbytes
+                    input_bytes[placeholders] = nbytes
+            elif key not in inputs and key not in made_at:
+                made_at[key], sizes[key] = index, nbytes
+            last_use[key] = index
+        placeholders += node.op == "placeholder"
+        for arg in node.all_input_nodes:
+            for key, _ in storages(arg.meta.get("val")):
+                last_use[key] = index
+    made = [0] * len(nodes)  # bytes of the storages each node makes
+    freed = [0] * len(nodes)  # bytes freed once each node has run
+    released: list[list[int]] = [[] for _ in nodes]  # releasable inputs freed once each node has run
+    for key, index in made_at.items():
+        made[index] += sizes[key]
+        if key not in outputs:
+            freed[last_use[key]] += sizes[key]
+    for key, position in input_at.items():
+        if key not in outputs:
+            released[last_use[key]].append(position)
+    holding = net = best_net = 0  # bytes of made storages held; that less the released inputs' bytes
+    best, gone = TaskPeak(0, ()), []
+    for index in range(len(nodes)):
+        holding += made[index]
+        net += made[index]
+        if net > best_net:
+            best, best_net = TaskPeak(holding, tuple(gone)), net
+        holding -= freed[index]
+        net -= freed[index]
+        for position in released[index]:
+            gone.append(position)
+            net -= input_bytes[position]
+    return best
 
 
 class LiveStorageBytes(TorchDispatchMode):

@@ -29,6 +29,7 @@ from ..philox import StepRandomness
 from ..sharding.dtensor_params import parameter_grad, program_tensor
 from . import failures
 from .executor import ProgramExecutor, StepRun
+from .memory import optimizer_state_bytes, record_optimizer_state, storage_bytes
 
 TRACED_STEPS = 2  # the first steps' traces go to the dumps; the second (warm) one stays
 
@@ -57,6 +58,11 @@ def last_step_stats() -> dict:
       point to point (`send`);
     - `peak_activation_bytes`: the most bytes of per-microbatch values the
       program made (activations saved for backward, received tensors) held at once;
+    - `memory`: where this rank's memory went at the step's peak, in bytes: its
+      `peak` and the parts that add up to it (`runtime.memory.MEMORY_PARTS`):
+      `parameters`, `optimizer_state`, `gradients`, `activations`,
+      `communication_buffers`, `task_temporaries`. Tracked value by value as the
+      program runs; what a task holds inside itself is estimated from its graph;
     - `instructions`: the program's length.
 
     Empty before any step ran. A step's own last run is `CompiledStep.last_run`.
@@ -103,6 +109,8 @@ class CompiledStep:
         self.seed_shape, self.seed_dtype, self.seed_device = seed_shape, seed_dtype, seed_device
         self.num_user_outputs = num_user_outputs
         self.training = seed_shape is not None
+        if self.training:
+            record_optimizer_state()  # for the optimizer state part of the step's memory stats
         self.microbatches = executor.program.num_microbatches
         # Per batch argument that this rank's program reads: the (dtype, device) it was compiled for.
         tensors = _compiled_tensors(executor.program)
@@ -133,6 +141,16 @@ class CompiledStep:
                                  f"was compiled for {shape}: piper_fx compiles fixed batch shapes (compile "
                                  "again, e.g. a new torch.compile, for another shape)")
 
+    def _held(self, args: Sequence[torch.Tensor]) -> dict[str, int]:
+        """The memory parts held throughout a step: the storage of the parameters and
+        buffers (none for those of pipeline stages this rank does not run, released when
+        the step was compiled), their optimizer state, and their gradients from before."""
+        parameters = [args[i.arg_index] for i in self.inputs
+                      if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)]
+        return {"parameters": storage_bytes(program_tensor(p) for p in parameters),
+                "optimizer_state": optimizer_state_bytes(parameters),
+                "gradients": storage_bytes(p.grad for p in parameters)}
+
     def run_program(self, args: Sequence[torch.Tensor]):
         """Run the program on the call's arguments: (user outputs, {arg index: grad}), each
         gradient as the program computes it (a DTensor parameter's: its padded local rows)."""
@@ -144,6 +162,7 @@ class CompiledStep:
             failures.raise_failure(error, self.executor.program.rank, call, "before running its step",
                                    started=False)
         values: dict = {}
+        held = self._held(args) if self.training else {}
         for graph_input in self.inputs:
             if graph_input.role is InputRole.TANGENT:
                 seed = torch.full(self.seed_shape, 1.0 / self.microbatches, dtype=self.seed_dtype,
@@ -157,7 +176,7 @@ class CompiledStep:
                 values.update({(graph_input.name, m): words for m, words in enumerate(rng)})
             else:  # a parameter (a DTensor's padded local rows) or a buffer
                 values[(graph_input.name, None)] = program_tensor(args[graph_input.arg_index])
-        results, self.last_run = self.executor.run(values, call)
+        results, self.last_run = self.executor.run(values, call, held)
         _latest_run = self.last_run
         self.steps_run += 1
         if self.dump is not None and self.dump.enabled and self.steps_run <= TRACED_STEPS:
@@ -203,5 +222,7 @@ class _StepFunction(torch.autograd.Function):
         if grads is None:
             raise RuntimeError("piper_fx: backward through the same compiled step twice; "
                                "the step's gradients were already delivered")
-        return (None, *(parameter_grad(arg, loss_seed * grads[i]) if i in grads else None
+        # Scaled in place: the program's gradients are the runtime's own, and a copy of
+        # every one would be held beside it.
+        return (None, *(parameter_grad(arg, grads[i].mul_(loss_seed)) if i in grads else None
                         for i, arg in enumerate(args)))

@@ -1,0 +1,49 @@
+"""Per-rank runs for the memory breakdown test (run inside `run_ranks`)."""
+from __future__ import annotations
+
+import torch
+
+import piper_fx
+from examples.gpt import GPT, GPTConfig
+from piper_fx.runtime.memory import peak_allocated_bytes
+from training import global_batch, local
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of these tensors' local pieces (a released one holds none)."""
+    storages = {local(t).untyped_storage()._cdata: local(t).untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+# Big enough that activations, not the runtime's small tensors, make up the step's memory.
+CONFIG = dict(vocab_size=37, block_size=32, n_layer=3, n_head=2, n_embd=64)
+BATCH = 8  # the global batch, in sequences
+
+
+def breakdown_worker(rank: int, world: int, cases: list[dict], steps: int = 3) -> list[dict]:
+    """Per strategy: the last step's memory breakdown, the peak the CPU allocator saw
+    during that step (`peak_allocated_bytes`), and what the rank holds counted apart
+    from piper_fx: its parameters' bytes and its optimizer's state bytes."""
+    results = []
+    for options in cases:
+        torch.manual_seed(0)
+        cfg = GPTConfig(**CONFIG)
+        model = GPT(cfg)
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        piper_fx.prepare(model, options)
+        step = torch.compile(model, backend="piper", options=options)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        replicas = 1 if "pipeline" in options else world
+        for i in range(steps):
+            x, y = global_batch(i, BATCH, cfg)
+            x, y = x.chunk(replicas)[rank % replicas], y.chunk(replicas)[rank % replicas]
+            # Gradients set to None (zero_grad's default): the step frees nothing it did not make.
+            _, measured = peak_allocated_bytes(lambda: step(x, y).backward())
+            memory = piper_fx.last_step_stats()["memory"]
+            opt.step()
+            opt.zero_grad()
+        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        results.append({"memory": memory, "measured": measured, "model_bytes": model_bytes,
+                        "param_bytes": storage_bytes([*model.parameters(), *model.buffers()]),
+                        "optimizer_state_bytes": storage_bytes(state)})
+        torch._dynamo.reset()
+    return results

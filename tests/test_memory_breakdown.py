@@ -1,0 +1,55 @@
+"""`last_step_stats()["memory"]`: where a rank's memory goes at the step's peak, in parts
+that add up to the peak, checked against the CPU allocator's own peak and against what
+the rank holds counted apart from piper_fx."""
+from __future__ import annotations
+
+import pytest
+
+from memory_workers import breakdown_worker
+from piper_fx.runtime.memory import MEMORY_PARTS
+from ranks import run_ranks
+
+PIPELINE = {"mesh": {"pp": 2}, "codegen": "eager"}
+CASES = {
+    "zero0": {"zero": 0, "codegen": "eager"},
+    "zero3": {"zero": 3, "codegen": "eager"},
+    "1f1b": {**PIPELINE, "pipeline": {"schedule": "1f1b", "microbatches": 4}},
+    "zbv": {**PIPELINE, "pipeline": {"schedule": "zbv", "microbatches": 4}},
+    "dualpipev": {**PIPELINE, "pipeline": {"schedule": "dualpipev", "microbatches": 4}},
+}
+# What the allocator may see beyond the reported parts, as a share of what the step makes
+# (the peak less the parameters and optimizer state held throughout): buffers no graph
+# shows, such as gloo's staging copy of an all-gather's output (9% at zero3 here) and
+# ops' internal workspaces. Measured: 0% at zero0 and dualpipev's rank 0, 1% at 1f1b,
+# 4% at zbv, 0-9% at zero3.
+MARGIN = 0.15
+
+
+@pytest.fixture(scope="module")
+def runs():
+    by_rank = run_ranks(breakdown_worker, 2, list(CASES.values()), deadline_s=400)
+    return {name: [by_rank[rank][i] for rank in range(2)] for i, name in enumerate(CASES)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parts_add_up_to_the_peak_the_allocator_measured(runs, case):
+    for rank, run in enumerate(runs[case]):
+        memory = run["memory"]
+        assert set(memory) == {"peak", *MEMORY_PARTS}
+        assert sum(memory[part] for part in MEMORY_PARTS) == memory["peak"], (case, rank, memory)
+        assert memory["activations"] > 0 and memory["task_temporaries"] >= 0, (case, rank, memory)
+        made = memory["peak"] - memory["parameters"] - memory["optimizer_state"]
+        assert made * 0.999 <= run["measured"] <= made * (1 + MARGIN), (case, rank, made, run["measured"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parameters_and_optimizer_state_are_what_the_rank_holds(runs, case):
+    for rank, run in enumerate(runs[case]):
+        memory = run["memory"]
+        assert memory["parameters"] == run["param_bytes"], (case, rank)
+        assert memory["optimizer_state"] == run["optimizer_state_bytes"], (case, rank)
+    held = [run["param_bytes"] for run in runs[case]]
+    if case == "zero0":  # a replica each
+        assert held == [runs[case][0]["model_bytes"]] * 2
+    else:  # rows of every parameter (ZeRO-3) or the stages a rank runs (pipelines): about half each
+        assert sum(held) >= runs[case][0]["model_bytes"] and max(held) < 0.6 * runs[case][0]["model_bytes"], held
