@@ -94,3 +94,5 @@ COMM_NOTE = "piper_comm"
 # which `propagate_placements` takes as stated: each rank's rows of a replicated value are `Shard(0)`,
 # though the slice that takes them looks replicated to DTensor's rules.
 PLACED = "piper_placed"
+# On a copy `checkpoint_activations` made to recompute a forward value in the backward: that value.
+RECOMPUTES = "piper_recomputes"

@@ -109,18 +109,24 @@ def test_the_models_own_torch_utils_checkpoint_is_recomputed(p):
     assert checkpointed["kept"] == 8 * 16 * 4 < plain["kept"]
 
 
-@pytest.mark.parametrize("options", [
-    {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}},
-    {"mesh": {"pp": 2}, "pipeline": {"schedule": "zb1p", "microbatches": 2}},
-    {"mesh": {"dp": 2}, "zero": 3},
-], ids=["pp2-1f1b", "pp2-zb1p", "dp2-zero3"])
-def test_recomputation_under_pipelines_and_zero3_changes_no_number(options):
+# 3 layers over 2 stages balanced by cost: the stage boundary cuts a layer, so recomputation
+# must keep what crosses the cut (each stage recomputes its own part of the layer).
+CUT_LAYER = {"pp_regions": False, "n_layer": 3, "per_rank_batch": 8, "model_kwargs": {"block_size": 32, "n_embd": 64}}
+
+
+@pytest.mark.parametrize("options, model", [
+    ({"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}, {}),
+    ({"mesh": {"pp": 2}, "pipeline": {"schedule": "zb1p", "microbatches": 2}}, {}),
+    ({"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 4}}, CUT_LAYER),
+    ({"mesh": {"dp": 2}, "zero": 3}, {}),
+], ids=["pp2-1f1b", "pp2-zb1p", "pp2-1f1b-stages-cut-a-layer", "dp2-zero3"])
+def test_recomputation_under_pipelines_and_zero3_changes_no_number(options, model):
     """Recomputed in each microbatch's B task (1F1B) or its I and W tasks (zero-bubble), or with
     ZeRO-3's parameters gathered again for the backward: equal to the run without, bit for bit,
     and to single-process training."""
     pipelined = "pipeline" in options
     configs = [{"options": {**options, "activation_checkpointing": {"mode": mode}}, "pp_regions": pipelined,
-                "per_rank_batch": 4, "tied": False} for mode in MODES]
+                "per_rank_batch": 4, "tied": False, **model} for mode in MODES]
     for runs in run_ranks(pipeline_worker, 2, configs, deadline_s=400):
         plain = runs[0]
         for run in runs:

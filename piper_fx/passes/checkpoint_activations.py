@@ -12,7 +12,9 @@ activations live only while its backward runs. A copy keeps the metadata of
 the op it copies (`seq_nr`, `nn_module_stack`, annotations): being read by the
 backward alone, it is a backward op (`ir.forward_nodes`), and `split_stages`
 puts it in the backward task of its op's stage (the B task of that
-microbatch, or its I or W task once `split_backward` splits B).
+microbatch, or its I or W task once `split_backward` splits B). Each copy
+names the value it recomputes (`ops.RECOMPUTES`): where pipeline stages split
+a region, `split_stages` keeps the values crossing the cut instead.
 Recomputable forward ops, each in a region read only inside it (a region's
 outputs, the next region's inputs, are kept):
   - with `activation_checkpointing` "full", every op inside a unit (the layers
@@ -35,7 +37,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..ir import TrainingDAG, forward_nodes
-from ..ops import EXPERT_MARKERS, ZERO_MARKERS, is_heavy
+from ..ops import EXPERT_MARKERS, RECOMPUTES, ZERO_MARKERS, is_heavy
 from ..options import Strategy
 from ..sharding.units import unit_of
 from .shard_experts import in_expert_region
@@ -85,6 +87,7 @@ def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
         if node not in copies:
             with graph.inserting_before(before):
                 copies[node] = graph.node_copy(node, lambda value: recomputed(value, before))
+                copies[node].meta[RECOMPUTES] = node
         return copies[node]
 
     for node in list(graph.nodes):  # the backward ops of the graph as captured, not the copies

@@ -18,6 +18,10 @@ Values keep their joint-graph node names across tasks. Stage assignment:
   - backward: each op goes to the stage of the forward op it differentiates
     (AOTAutograd's `seq_nr`), but never later than the stages of the
     gradients it reads, so gradients only flow to earlier stages.
+Recomputation stays within a stage: where a stage boundary cuts a region of
+`checkpoint_activations`, a copy reading the copy of a value of another stage
+reads that value instead (kept from the forward, as the next stage's forward
+reads it), and copies left unread are removed from the joint graph.
 `dag.parameter_holders` lists, per parameter, the pipeline ranks running a
 stage that reads it: several for embeddings tied across the first and last
 stage, and for every parameter under DualPipe's two copies. Those ranks
@@ -32,7 +36,7 @@ import torch.fx as fx
 
 from ..errors import PiperConfigError
 from ..ir import InputRole, Task, TaskKind, TrainingDAG, forward_nodes
-from ..ops import MATMULS, PHASE, STEP_END, STEP_START, is_attention
+from ..ops import MATMULS, PHASE, RECOMPUTES, STEP_END, STEP_START, is_attention
 from ..options import Strategy
 from .task_graphs import extract_graph
 
@@ -105,11 +109,7 @@ def _forward_stages(dag: TrainingDAG, compute: list[fx.Node], num_stages: int) -
 
 def _backward_stages(compute: list[fx.Node], forward_stage: dict[fx.Node, int],
                      num_stages: int) -> dict[fx.Node, int]:
-    by_seq: dict[int, int] = {}
-    for node, s in forward_stage.items():
-        seq = node.meta.get("seq_nr")
-        if seq is not None:
-            by_seq[seq] = max(by_seq.get(seq, 0), s)
+    by_seq = _stages_by_seq(forward_stage)
     stage: dict[fx.Node, int] = {}
     for node in compute:
         own = by_seq.get(node.meta.get("seq_nr"))
@@ -123,6 +123,40 @@ def _backward_stages(compute: list[fx.Node], forward_stage: dict[fx.Node, int],
             users = [stage[u] for u in node.users if u in stage]
             stage[node] = max(users) if users else num_stages - 1
     return stage
+
+
+def _stages_by_seq(forward_stage: dict[fx.Node, int]) -> dict[int, int]:
+    """The stage of the forward ops of each `seq_nr` (the latest, if several)."""
+    by_seq: dict[int, int] = {}
+    for node, s in forward_stage.items():
+        seq = node.meta.get("seq_nr")
+        if seq is not None:
+            by_seq[seq] = max(by_seq.get(seq, 0), s)
+    return by_seq
+
+
+def _recompute_within_stages(graph: fx.Graph, forward_stage: dict[fx.Node, int]) -> bool:
+    """Make every backward op (a recomputation copy, `ops.RECOMPUTES`, or an op it feeds)
+    read, in place of a copy of a value of another forward stage than its own, that value
+    itself; remove the copies no longer read. Whether the graph changed."""
+    by_seq = _stages_by_seq(forward_stage)
+    changed = False
+    for node in graph.nodes:
+        if node in forward_stage:
+            continue
+        own = node.meta.get(RECOMPUTES)
+        own_stage = forward_stage.get(own) if own is not None else by_seq.get(node.meta.get("seq_nr"))
+        if own_stage is None:
+            continue
+        for value in node.all_input_nodes:
+            recomputes = value.meta.get(RECOMPUTES)
+            if recomputes is not None and forward_stage.get(recomputes) != own_stage:
+                node.replace_input_with(value, recomputes)
+                changed = True
+    for node in reversed(graph.nodes):  # users before what they read: a chain of unread copies goes at once
+        if RECOMPUTES in node.meta and not node.users:
+            graph.erase_node(node)
+    return changed
 
 
 def _parameter_holders(dag: TrainingDAG, stage: dict[fx.Node, int]) -> dict[str, tuple[int, ...]]:
@@ -149,6 +183,9 @@ def split_stages(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     bwd_compute = [n for n in compute if n not in forward]
 
     stage = _forward_stages(dag, fwd_compute, num_stages)
+    if _recompute_within_stages(graph, stage):
+        compute = [n for n in graph.nodes if n.op in ("call_function", "get_attr")]
+        bwd_compute = [n for n in compute if n not in forward]
     stage.update(_backward_stages(bwd_compute, stage, num_stages))
     # Parts of a multi-output op live with it.
     for node in compute:
