@@ -41,8 +41,9 @@ class _HeldBytes:
     up to date as values come and go (a scan of every value after every instruction
     cost a tenth of a pipeline step), and the most held at once with its parts.
     The step's inputs (batch, parameters) and views of them, such as a transposed
-    weight, do not count here; a storage shared by several values counts once, in
-    the part of the first."""
+    weight, are not values it counts: the parts the step holds throughout
+    (`held`: parameters, optimizer state, gradients from before) start the count.
+    A storage shared by several values counts once, in the part of the first."""
 
     def __init__(self, part_of: dict[str, str | None], input_storages: set[int], held: dict[str, int]):
         # Value name -> its part where the name decides it (None for the step's inputs);
