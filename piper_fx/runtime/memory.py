@@ -27,7 +27,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..compat import ProfilerEventType, TorchDispatchMode, tree_leaves
 
 # The parts of a step's peak memory, in the order they are reported:
-# - parameters: the parameter and buffer storage the rank's program reads (its shards under ZeRO);
+# - parameters: the storage of the parameters and buffers the rank holds (its shards under
+#   ZeRO; none for pipeline stages it does not run, released when the step was compiled);
 # - optimizer_state: what optimizers hold for those parameters (`optimizer_state_bytes`);
 # - gradients: the program's gradients (accumulated over microbatches) and the
 #   parameters' `.grad` held from before the step;
@@ -128,9 +129,10 @@ class TaskPeak:
 
 def task_peak(graph: fx.Graph, releasable: Collection[int] = ()) -> TaskPeak:
     """Where a task run holds the most, running its graph node by node as eager codegen
-    does (each value freed after its last use; Inductor's fused kernels hold no more):
-    an estimate from the graph's fake values, whose views share their base's storage,
-    so a view or an in-place result costs nothing. The inputs at the positions
+    does (each value freed after its last use): an estimate from the graph's fake
+    values, whose views share their base's storage, so a view or an in-place result
+    costs nothing. For Inductor's code it is an estimate only: fusion removes some of
+    these tensors, and its own buffers and the collectives' workspaces add others. The inputs at the positions
     `releasable` are the runtime's to free: it drops them before the run, so each is
     freed at its last use inside the task. Inputs, and views of them, are counted
     where the inputs are."""
