@@ -21,12 +21,13 @@ run eagerly (piper_fx's eager codegen), so neither gains from fusion.
 A rank's memory for a step is what it holds before the step (parameters and
 optimizer state) plus the most the step (forward, backward, optimizer step)
 allocates above that, from the CPU allocator (`peak_allocated_bytes`), the
-worst of 3 steps; a strategy's is its largest rank's. Memory is affine in the batch (activations
-grow with it, model state does not): measured at two global batches (4 and 16
-sequences per replica), the fit
-gives the model state and the bytes per sequence, and from them the largest
-global batch within the budget (a multiple of what the strategy splits the
-batch into). Printed as a table, with the ratios piper_fx / PyTorch and each
+worst of 3 steps; a strategy's is its largest rank's. Memory is affine in the
+batch (activations grow with it; model state, and what a step allocates
+whatever the batch, do not): measured at two global batches (4 and 16
+sequences per replica), the fit gives the fixed part and the bytes per
+sequence, and from them the largest global batch within the budget (a multiple
+of what the strategy splits the batch into). Printed as a table, with the
+ratios piper_fx / PyTorch and each
 strategy's batch against the unsharded pipeline's. A measurement, not a test.
 """
 from __future__ import annotations
@@ -241,7 +242,8 @@ def run(rank: int, init_file: str, args, results) -> None:
 
 
 def largest_batch(sizes, measured, budget: int, granule: int) -> tuple[float, float, int]:
-    """From memory at two batch sizes: model state (MB), MB per sequence, the largest batch in the budget."""
+    """From memory at two batch sizes: the fixed part (MB: model state, and what a step allocates
+    whatever the batch), MB per sequence, and the largest batch in the budget."""
     per_row = (measured[1] - measured[0]) / (sizes[1] - sizes[0])
     fixed = measured[0] - per_row * sizes[0]
     fits = max(0, math.floor((budget - fixed) / per_row / granule) * granule) if per_row > 0 else 0
@@ -273,7 +275,7 @@ def main() -> None:
     print(f"{WORLD} CPU ranks (gloo), GPT {args.layers}x{args.width}, {args.block} tokens per sequence, AdamW, "
           f"eager; budget {args.budget_mb:.0f} MB per rank; memory = the largest rank's parameters and optimizer "
           f"state plus the most a step allocates; batch in sequences (global), fitted from two measured batches")
-    print(f"{'strategy':<22} {'AC':<5} {'side':<9} {'state MB':>8} {'MB/seq':>7} {'max batch':>9} {'vs native':>9} "
+    print(f"{'strategy':<22} {'AC':<5} {'side':<9} {'fixed MB':>8} {'MB/seq':>7} {'max batch':>9} {'vs native':>9} "
           f"{'vs pp2 x dp2':>12}  native")
     fitted = {(strategy, checkpointing, side): largest_batch(sizes, measured, budget, _granule(strategy))
               for strategy, checkpointing, side, sizes, measured in rows}
