@@ -135,3 +135,33 @@ def test_recomputation_under_pipelines_and_zero3_changes_no_number(options, mode
             assert run["trained_values"].keys() == plain["trained_values"].keys()
             for name, value in run["trained_values"].items():
                 assert np.array_equal(value, plain["trained_values"][name]), name
+
+
+def _peak_step_bytes(model: torch.nn.Module, step, batch) -> int:
+    from piper_fx.runtime.memory import peak_allocated_bytes
+    for _ in range(2):
+        step(*batch).backward()
+        model.zero_grad()
+    return peak_allocated_bytes(lambda: step(*batch).backward())[1]
+
+
+def test_full_checkpointing_holds_what_pytorchs_checkpoint_holds():
+    """The most a forward and backward allocate (the CPU allocator's peak), GPT 4x256 on 8 x 128
+    tokens: piper_fx's full checkpointing against `checkpoint_wrapper` around every block in eager
+    PyTorch. Each layer is recomputed when its own backward needs it, not every layer at the
+    backward's start (where AOTAutograd puts the detaches of saved values: 41.1 MB against 31.9)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    cfg = GPTConfig(vocab_size=65, block_size=128, n_layer=4, n_head=4, n_embd=256, tied_embeddings=False)
+    batch = global_batch(0, 8, cfg)
+    torch.manual_seed(0)
+    ours = GPT(cfg)
+    step = torch.compile(ours, backend="piper", options={"codegen": "eager", "activation_checkpointing": {"mode": "full"}})
+    piper_bytes = _peak_step_bytes(ours, step, batch)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    theirs = GPT(cfg)
+    for index, block in enumerate(theirs.blocks):
+        theirs.blocks[index] = checkpoint_wrapper(block)
+    torch_bytes = _peak_step_bytes(theirs, theirs, batch)
+    assert piper_bytes <= 1.02 * torch_bytes, (piper_bytes, torch_bytes)

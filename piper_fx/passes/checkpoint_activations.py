@@ -8,7 +8,9 @@ Guarantees: every backward read of a recomputable forward value reads a copy
 of it instead, made just before the first backward op that reads it, from
 copies of its own recomputable inputs, down to values that are kept. So only
 kept values cross from the forward to the backward, and a layer's recomputed
-activations live only while its backward runs. A copy keeps the metadata of
+activations live only while its backward runs (the backward's `detach`es of
+forward values, which AOTAutograd puts at its start, are first moved to just
+before their first reader, else they would recompute every layer at once). A copy keeps the metadata of
 the op it copies (`seq_nr`, `nn_module_stack`, annotations): being read by the
 backward alone, it is a backward op (`ir.forward_nodes`), and `split_stages`
 puts it in the backward task of its op's stage (the B task of that
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import operator
 
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -68,6 +71,18 @@ def _recomputable(node: fx.Node, strategy: Strategy, forward: set[fx.Node]) -> b
     return tagged or strategy.activation_checkpointing == "full" or not is_heavy(node)
 
 
+def _sink_detaches(graph: fx.Graph, forward: set[fx.Node]) -> None:
+    """Move each backward `detach` of a forward value to just before its first reader.
+    AOTAutograd puts them at the start of the backward; left there, they would be the
+    first backward readers of what is recomputed, and every layer would be recomputed
+    before the backward's first op, all held at once."""
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and node.target is torch.ops.aten.detach.default and node not in forward
+                and node.users and all(value in forward for value in node.all_input_nodes)):
+            min(node.users, key=position.__getitem__).prepend(node)
+
+
 def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     if not dag.training:
         return dag
@@ -78,6 +93,7 @@ def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     recomputable -= {n for n in recomputable if n.target is operator.getitem and n.args[0] not in recomputable}
     if not recomputable:
         return dag
+    _sink_detaches(graph, forward)
     copies: dict[fx.Node, fx.Node] = {}
 
     def recomputed(node: fx.Node, before: fx.Node) -> fx.Node:

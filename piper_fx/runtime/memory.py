@@ -25,6 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..compat import ProfilerEventType, TorchDispatchMode, tree_leaves
+from ..ops import RECOMPUTES
 
 # The parts of a step's peak memory, in the order they are reported:
 # - parameters: the storage of the parameters and buffers the rank holds (its shards under
@@ -132,28 +133,38 @@ def task_peak(graph: fx.Graph, releasable: Collection[int] = ()) -> TaskPeak:
     does (each value freed after its last use): an estimate from the graph's fake
     values, whose views share their base's storage, so a view or an in-place result
     costs nothing. For Inductor's code it is an estimate only: fusion removes some of
-    these tensors, and its own buffers and the collectives' workspaces add others. The inputs at the positions
-    `releasable` are the runtime's to free: it drops them before the run, so each is
-    freed at its last use inside the task. Inputs, and views of them, are counted
-    where the inputs are."""
-    def storages(value) -> list[tuple[int, int]]:
-        return [(storage_key(t), t.untyped_storage().nbytes()) for t in tree_leaves(value)
-                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
+    these tensors, and its own buffers and the collectives' workspaces add others.
+    The inputs at the positions `releasable` are the runtime's to free: it drops
+    them before the run, so each is freed at its last use inside the task. Inputs,
+    and views of them, are counted where the inputs are. A recomputation copy
+    (`ops.RECOMPUTES`) carries its original's fake value: its storage, and views
+    of it, count apart from the original's."""
+    tagged: dict[fx.Node, list[tuple[tuple[int, bool], int]]] = {}
+
+    def storages(node: fx.Node) -> list[tuple[tuple[int, bool], int]]:
+        """(storage, whether a recomputation made it) and bytes of each tensor `node` gives."""
+        if node not in tagged:
+            inherited = {key[0]: key[1] for arg in node.all_input_nodes for key, _ in storages(arg)}
+            own = RECOMPUTES in node.meta
+            tagged[node] = [((storage_key(t), inherited.get(storage_key(t), own)), t.untyped_storage().nbytes())
+                            for t in tree_leaves(node.meta.get("val"))
+                            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor)]
+        return tagged[node]
 
     nodes = list(graph.nodes)
-    last_use: dict[int, int] = {}  # storage -> index of the last node that is or reads a value on it
-    sizes: dict[int, int] = {}
-    made_at: dict[int, int] = {}  # storage the task makes -> index of the node making it
-    input_at: dict[int, int] = {}  # storage of a releasable input -> its position
+    last_use: dict[tuple, int] = {}  # storage -> index of the last node that is or reads a value on it
+    sizes: dict[tuple, int] = {}
+    made_at: dict[tuple, int] = {}  # storage the task makes -> index of the node making it
+    input_at: dict[tuple, int] = {}  # storage of a releasable input -> its position
     input_bytes: dict[int, int] = {}  # position of a releasable input -> its bytes
-    inputs: set[int] = set()
-    outputs: set[int] = set()
+    inputs: set[tuple] = set()
+    outputs: set[tuple] = set()
     placeholders = 0
     for index, node in enumerate(nodes):
         if node.op == "output":
-            outputs.update(key for arg in node.all_input_nodes for key, _ in storages(arg.meta.get("val")))
+            outputs.update(key for arg in node.all_input_nodes for key, _ in storages(arg))
             continue
-        for key, nbytes in storages(node.meta.get("val")):
+        for key, nbytes in storages(node):
             if node.op == "placeholder":
                 inputs.add(key)
                 if placeholders in releasable:
@@ -164,7 +175,7 @@ def task_peak(graph: fx.Graph, releasable: Collection[int] = ()) -> TaskPeak:
             last_use[key] = index
         placeholders += node.op == "placeholder"
         for arg in node.all_input_nodes:
-            for key, _ in storages(arg.meta.get("val")):
+            for key, _ in storages(arg):
                 last_use[key] = index
     made = [0] * len(nodes)  # bytes of the storages each node makes
     freed = [0] * len(nodes)  # bytes freed once each node has run
