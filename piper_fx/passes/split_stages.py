@@ -19,9 +19,10 @@ Values keep their joint-graph node names across tasks. Stage assignment:
     (AOTAutograd's `seq_nr`), but never later than the stages of the
     gradients it reads, so gradients only flow to earlier stages.
 Recomputation stays within a stage: where a stage boundary cuts a region of
-`checkpoint_activations`, a copy reading the copy of a value of another stage
-reads that value instead (kept from the forward, as the next stage's forward
-reads it), and copies left unread are removed from the joint graph.
+`checkpoint_activations`, a backward op (a recomputation copy or a gradient op)
+reading the copy of a value of another stage than its own reads that value
+instead (kept from the forward, as the next stage's forward reads it), and
+copies left unread are removed from the joint graph.
 `dag.parameter_holders` lists, per parameter, the pipeline ranks running a
 stage that reads it: several for embeddings tied across the first and last
 stage, and for every parameter under DualPipe's two copies. Those ranks
