@@ -22,7 +22,7 @@ from .collectives.emit import INHERITED_META
 from .errors import PiperError
 from .ir import GraphInput, GraphOutput, InputRole, OutputRole, TrainingDAG
 from .options import MixedPrecision, Strategy
-from .sharding.dtensor_params import program_tensor
+from .sharding.dtensor_params import is_replicated_parameter, program_tensor
 from .sharding.experts import EXPERT_ATTR, UNSHARD_EXPERTS
 from .sharding.row_shard import INFO_ATTR, UNSHARD, sharded_parameter_info
 
@@ -113,13 +113,13 @@ def _read_as_program_tensor(node: fx.Node, parameter: torch.Tensor, index: int) 
     tensor the program computes with (`dtensor_params.program_tensor`): its `to_local()`
     reads become the placeholder itself. Returns the example to trace it with, a plain
     `nn.Parameter` carrying what piper_fx knows of the parameter."""
-    if not isinstance(parameter, nn.Parameter) or sharded_parameter_info(parameter) is None:
+    if sharded_parameter_info(parameter) is None and not is_replicated_parameter(parameter):
         raise PiperError(f"compiled argument {index} is a DTensor that piper_fx.prepare did not make; piper_fx "
                          "places the model's parameters itself: pass plain tensors and parameters")
     for user in list(node.users):
         if not (user.op == "call_method" and user.target == "to_local"):
-            raise PiperError(f"the model reads its sharded parameter {sharded_parameter_info(parameter).fqns[0]} "
-                             f"other than through its module's attribute ({user.format_node()}); read it as "
+            raise PiperError(f"the model reads its parameter {_fqn_from_source(node)[0] or node.name} other than "
+                             f"through its module's attribute ({user.format_node()}); read it as "
                              "module.<name>, which gives the full tensor")
         user.replace_all_uses_with(node)
         node.graph.erase_node(user)

@@ -12,6 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 # The torch releases piper_fx runs on (major, minor), as setup.py declares them.
 OLDEST_TORCH, NEWEST_TORCH = (2, 11), (2, 13)
@@ -71,6 +72,14 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """`mesh`'s dimensions as one named `name` on its root mesh (torchtitan's dp from
     dp_replicate x dp_shard); DeviceMesh has no public spelling of it yet."""
     return mesh._flatten(name)
+
+
+def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A DTensor with `like`'s mesh, placements, global shape and stride (its spec) holding
+    `local`, this rank's piece of `like.to_local()`'s shape and dtype. Public would be
+    `DTensor.from_local(local, mesh, placements, shape=..., stride=...)`, an autograd
+    Function costing ten times more, paid per parameter and step."""
+    return DTensor(local, like._spec, requires_grad=False)
 
 
 def resolve_process_group(group_name: str) -> dist.ProcessGroup:

@@ -13,6 +13,7 @@ from torch import nn
 from .compat import maybe_mark_dynamic
 from .errors import PiperConfigError
 from .options import Strategy, parse_options_on_all_ranks
+from .sharding.dtensor_params import replicate_parameters
 from .sharding.experts import expert_parameters, is_expert_parameter, shard_experts
 from .sharding.holdings import Holding, held_parameters, record_holding
 from .sharding.mesh import dp_group_name, expert_replica_group_name, strategy_mesh
@@ -32,9 +33,11 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     (`piper_fx.mark_experts`) becomes the block of experts this rank computes,
     a `Shard(0)` DTensor on the ep mesh, replicated over the dp/ep groups (and
     never ZeRO-sharded on top); with ep = 1 experts are ordinary parameters.
+    Every other parameter (all of them at ZeRO-0) becomes a `Replicate()`
+    DTensor on the dp mesh, sharing the original's storage (the placement DDP's
+    replicas have); in a world of one rank parameters stay plain tensors.
     Parameters keep their names: `state_dict()` keys do not change.
-    Otherwise the layout does not change. Calling it again with the same layout
-    is a no-op. With dp > 1 it first gives every replica the first replica's
+    Calling it again with the same layout is a no-op. With dp > 1 it first gives every replica the first replica's
     parameters and buffers, as DDP does, so it is collective: every rank must call it.
     """
     strategy = parse_options_on_all_ranks(options)
@@ -57,6 +60,8 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
         shard_parameters(model, strategy_mesh(strategy)["dp"], keep=lambda p: strategy.ep > 1 and is_expert_parameter(p))
     if experts:
         shard_experts(model, strategy_mesh(strategy)["ep"])
+    if strategy.pp * strategy.dp > 1:
+        replicate_parameters(model, strategy_mesh(strategy)["dp"])
     record_holdings(model, strategy)
     if strategy.microbatches > 1:
         model.register_forward_pre_hook(_mark_batch_dimension_dynamic)

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import piper_fx
 from examples.gpt import GPT, GPTConfig
 from piper_fx.checkpoint import load_checkpoint, save_checkpoint
-from training import SMALL, global_batch, local_bytes, make_optimizer, optimizer_state_bytes
+from training import SMALL, global_batch, local as local_piece, local_bytes, make_optimizer, optimizer_state_bytes
 
 GLOBAL_BATCH = 4
 SAVE_AFTER, STEPS = 3, 6
@@ -174,7 +174,7 @@ def resume_worker(rank: int, world: int, root: str) -> dict:
     local, _ = train(compiled(model, PP2_1F1B), opt, PP2_1F1B, range(resumed_at, STEPS), rank, world)
     save_checkpoint(os.path.join(root, "pp"), model, opt, step=STEPS)
     final = full_numpy(model)
-    stale = sorted(name for name, p in model.named_parameters() if not np.array_equal(p.detach().numpy(), final[name]))
+    stale = sorted(name for name, p in model.named_parameters() if not np.array_equal(local_piece(p.detach()).numpy(), final[name]))
     results["pp"] = {"step": resumed_at, "losses": local, "final": final, "stale": stale}
     torch._dynamo.reset()
     return results

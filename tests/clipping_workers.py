@@ -126,18 +126,20 @@ def _linear_with_grads(rank: int, world: int, out_features: int, zero: int):
 
 
 def torch_clipping(rank: int, world: int) -> dict:
-    """torch's own `clip_grad_norm_` on a Linear(5, 7) at ZeRO-3 over every rank (uneven rows, each
-    rank some) against torch's on the unsplit Linear, clipping active (norms 2 and inf): the norm
-    errors, and the worst error of the clipped gradients."""
+    """torch's own `clip_grad_norm_` on a Linear(5, 7) over every rank at ZeRO-3 (uneven rows, each
+    rank some) and at ZeRO-0 (`Replicate()` DTensors) against torch's on the unsplit Linear,
+    clipping active (norms 2 and inf): the norm errors, and the worst error of the clipped gradients."""
     out = {}
-    for norm_type in (2.0, math.inf):
-        model, reference = _linear_with_grads(rank, world, 7, zero=3)
-        torch_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, norm_type)
-        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01, norm_type)
-        out[f"torch_norm_error_{norm_type}"] = abs(torch_norm.full_tensor().item() - expected.item()) / expected.item()
-        out[f"torch_grad_error_{norm_type}"] = max(relative_error(p.grad.full_tensor(), r.grad)
-                                                    for p, r in zip(model.parameters(), reference.parameters()))
-        torch._dynamo.reset()
+    for zero in (0, 3):
+        for norm_type in (2.0, math.inf):
+            model, reference = _linear_with_grads(rank, world, 7, zero=zero)
+            torch_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, norm_type)
+            expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01, norm_type)
+            out[f"torch_norm_error_{norm_type}_zero{zero}"] = (
+                abs(torch_norm.full_tensor().item() - expected.item()) / expected.item())
+            out[f"torch_grad_error_{norm_type}_zero{zero}"] = max(
+                relative_error(p.grad.full_tensor(), r.grad) for p, r in zip(model.parameters(), reference.parameters()))
+            torch._dynamo.reset()
     return out
 
 

@@ -31,7 +31,7 @@ def _check(results, configs, dp, ep):
         zero = config["options"].get("zero", 0)
         for rank, runs in enumerate(results):
             for name, placement in runs[index]["placements"].items():
-                expected = "ep:Shard(dim=0)" if ".experts." in name else "dp:Shard(dim=0)" if zero else "plain"
+                expected = "ep:Shard(dim=0)" if ".experts." in name else "dp:Shard(dim=0)" if zero else "dp:Replicate()"
                 assert placement == expected, (config, rank, name, placement)
     # An expert block is held by the dp/ep ranks of the same ep index (and pipeline rank), bit-identical;
     # the other ranks of its ep group hold other experts.

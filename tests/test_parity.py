@@ -24,9 +24,9 @@ def test_training_matches_single_process(world, zero):
             worst = max(run["param_errors"], key=run["param_errors"].get)
             assert run["param_errors"][worst] < param_rtol, (rank, name, worst, run["param_errors"][worst])
 
-            # Parameters as FSDP2 holds them: ZeRO's are DTensors of this rank's rows on the dp mesh, and
-            # a stock optimizer keeps DTensor state placed alike; DDP's replicas stay plain tensors.
-            expected = "dp:Shard(dim=0)" if zero else "plain"
+            # Parameters as FSDP2 holds them: ZeRO's are DTensors of this rank's rows on the dp mesh,
+            # ZeRO-0's whole replicas on it, and a stock optimizer keeps DTensor state placed alike.
+            expected = "dp:Shard(dim=0)" if zero else "dp:Replicate()"
             assert set(run["placements"].values()) == {expected}, (rank, name, run["placements"])
             assert run["state_placements"] and set(run["state_placements"].values()) == {expected}, (rank, name)
             state, full_state = run["optimizer_state_bytes"], run["reference_state_bytes"]

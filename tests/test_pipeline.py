@@ -72,7 +72,7 @@ def test_pipeline_with_data_parallel_zero():
     for index, zero in enumerate((0, 1, 2, 3)):
         for rank, runs in enumerate(results):
             placements = set(runs[index]["placements"].values())
-            assert placements == {"dp:Shard(dim=0)" if zero else "plain"}, (zero, rank, placements)
+            assert placements == {"dp:Shard(dim=0)" if zero else "dp:Replicate()"}, (zero, rank, placements)
         # Ranks 0 and 2 (and 1 and 3) are one pipeline: each keeps parameters and optimizer state only for
         # its stage's parameters, none for the other stage's (whose storage it released when compiling).
         full = results[0][index]["full_param_bytes"]

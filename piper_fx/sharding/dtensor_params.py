@@ -1,4 +1,4 @@
-"""Parameters as DTensors: how `prepare` holds a sharded parameter, and how the program reads it.
+"""Parameters as DTensors: how `prepare` holds a parameter, and how the program reads it.
 
 A parameter that `prepare` shards (a ZeRO shard over dp, a block of experts
 over ep) becomes an `nn.Parameter` holding a `DTensor` placed `Shard(0)` on
@@ -18,6 +18,13 @@ traces the program with the plain padded rows (`program_tensor`): every rank's
 piece of the same size, as the all-gathers need. Each padded row buffer is
 kept with its parameter, the DTensor's local tensor a view of its first rows,
 so the program reads the very storage the optimizer updates.
+
+Every other parameter (all of them at ZeRO-0, 0-d ones at any level, those
+that are not experts under ep) is a whole replica over dp: `prepare` makes it
+a `Replicate()` DTensor on the dp mesh sharing the original's storage
+(`replicate_parameters`), read as its local tensor, which is the program's
+tensor. Its gradient is handed back as a `Replicate()` DTensor too, so the
+optimizer, `state_dict` and `clip_grad_norm_` see every parameter's placement.
 """
 from __future__ import annotations
 
@@ -26,8 +33,10 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ..compat import dtensor_like
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -40,6 +49,45 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 # Each sharded parameter's padded rows: its DTensor's local tensor is a view of their first rows.
 _PADDED_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def parameter_owners(model: nn.Module, skip: Callable[[nn.Parameter], bool]
+                     ) -> list[tuple[nn.Parameter, list[tuple[str, nn.Module, str]]]]:
+    """Every parameter of `model` once (tied ones included: one `Parameter` held by several
+    modules), but those `skip` selects, in `named_modules` order, with every
+    (fully qualified name, module, attribute name) that holds it."""
+    owners: dict[int, tuple[nn.Parameter, list[tuple[str, nn.Module, str]]]] = {}
+    seen: set[tuple[int, str]] = set()
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is None or (id(module), name) in seen or skip(p):
+                continue
+            seen.add((id(module), name))
+            fqn = f"{module_name}.{name}" if module_name else name
+            owners.setdefault(id(p), (p, []))[1].append((fqn, module, name))
+    return list(owners.values())
+
+
+# The `Replicate()` DTensor parameters `replicate_parameters` made.
+_REPLICATED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def is_replicated_parameter(t: object) -> bool:
+    return isinstance(t, nn.Parameter) and t in _REPLICATED
+
+
+def replicate_parameters(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Make every plain-tensor parameter of `model` a `Replicate()` DTensor parameter on the
+    1-D `mesh` (the strategy mesh's "dp"), in place, sharing the original's storage;
+    reads of the module attribute give its local tensor. Parameters already DTensors
+    (ZeRO shards, blocks of experts) are left as they are; tied ones stay tied."""
+    for original, holders in parameter_owners(model, skip=lambda p: isinstance(p, DTensor)):
+        value = DTensor.from_local(original.detach(), mesh, [Replicate()], run_check=False)
+        parameter = nn.Parameter(value, requires_grad=original.requires_grad)
+        _REPLICATED[parameter] = True
+        for _, module, name in holders:
+            module._parameters[name] = parameter
+            read_through(module, name, lambda p: p.to_local())
 
 
 def row_sharded_parameter(padded: torch.Tensor, local_rows: int, global_shape: tuple[int, ...],
@@ -80,9 +128,11 @@ def parameter_grad(parameter: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     if not isinstance(parameter, DTensor):
         return grad
     local = parameter.to_local()
-    return DTensor.from_local(grad.narrow(0, 0, local.shape[0]) if local.dim() else grad,
-                              parameter.device_mesh, parameter.placements, run_check=False,
-                              shape=parameter.shape, stride=parameter.stride())
+    grad = grad.narrow(0, 0, local.shape[0]) if local.dim() else grad
+    if grad.dtype != parameter.dtype:
+        return DTensor.from_local(grad, parameter.device_mesh, parameter.placements, run_check=False,
+                                  shape=parameter.shape, stride=parameter.stride())
+    return dtensor_like(grad, parameter)
 
 
 _OWN_CLASS = "_piper_reads_through"  # marks the class `read_through` made for one module

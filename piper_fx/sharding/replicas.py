@@ -11,6 +11,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..compat import resolve_process_group
 
@@ -19,13 +20,14 @@ _SYNCED_ATTR = "_piper_replicas_synced"
 
 @torch.no_grad()
 def broadcast_from_first_replica(tensors: Iterable[torch.Tensor], group_name: str | None) -> None:
-    """Overwrite `tensors` with the values of the dp group's first rank (collective), once each."""
+    """Overwrite `tensors` with the values of the dp group's first rank (collective), once each.
+    DTensor parameters are skipped: `prepare` made them after synchronizing their values."""
     if group_name is None:
         return
     group = resolve_process_group(group_name)
     source = dist.get_global_rank(group, 0)
     for tensor in tensors:
-        if getattr(tensor, _SYNCED_ATTR, False):
+        if getattr(tensor, _SYNCED_ATTR, False) or isinstance(tensor, DTensor):
             continue
         dist.broadcast(tensor.data, src=source, group=group)
         setattr(tensor, _SYNCED_ATTR, True)

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..collectives import lowering
 from ..compat import resolve_process_group
-from .dtensor_params import read_through, row_sharded_parameter
+from .dtensor_params import parameter_owners, read_through, row_sharded_parameter
 
 
 @dataclass(frozen=True)
@@ -141,20 +141,8 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, keep: Callable[[nn.Para
     Tied parameters (one `Parameter` held by several modules) stay tied: they
     get one DTensor parameter, read through `piper::unshard` in every module that holds it.
     """
-    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
-    originals: dict[int, nn.Parameter] = {}
-    seen: set[tuple[int, str]] = set()
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        for name, p in module._parameters.items():
-            if p is None or p.dim() == 0 or (id(module), name) in seen or keep(p):
-                continue
-            seen.add((id(module), name))
-            fqn = f"{module_name}.{name}" if module_name else name
-            owners.setdefault(id(p), []).append((fqn, module, name))
-            originals[id(p)] = p
     group_name = mesh.get_group().group_name
-    for key, holders in owners.items():
-        original = originals[key]
+    for original, holders in parameter_owners(model, skip=lambda p: p.dim() == 0 or keep(p)):
         layout = RowShardLayout(tuple(original.shape), mesh.size())
         shard = layout.parameter(original.detach(), mesh, original.requires_grad)
         setattr(shard, INFO_ATTR, ShardedParameter(tuple(fqn for fqn, _, _ in holders), layout, group_name))
