@@ -94,6 +94,26 @@ def test_1f1b_holds_about_p_over_m_of_gpipes_activations_on_the_first_stage():
     assert first_stage["1f1b"] <= first_stage["gpipe"] * pp / microbatches * 1.2, first_stage
 
 
+def test_sends_and_receives_of_one_schedule_step_go_out_in_one_batch():
+    """The runtime issues each run of back-to-back sends and receives as one `batch_isend_irecv`
+    (one NCCL group, where a send and a receive between two ranks cannot wait for each other):
+    every message of the program, in its order, and in 1F1B's steady state (and DualPipeV's
+    two directions) a send and a receive to the same peer in one call."""
+    from training import message_batches_worker
+
+    schedules = ["1f1b", "dualpipev"]
+    results = run_ranks(message_batches_worker, 2, schedules, deadline_s=300)
+    for schedule in schedules:
+        both_ways = []
+        for rank, runs in enumerate(results):
+            run = runs[schedule]
+            assert [message for call in run["calls"] for message in call] == run["messages"], (rank, schedule)
+            assert all(run["calls"]) and len(run["calls"]) == run["p2p_batches"], (rank, schedule, run)
+            peer = 1 - rank
+            both_ways += [call for call in run["calls"] if {("send", peer), ("recv", peer)} <= set(call)]
+        assert both_ways, (schedule, [runs[schedule]["calls"] for runs in results])
+
+
 def test_bad_pipeline_setups_are_precise_errors():
     from training import pipeline_errors_worker
     for errors in run_ranks(pipeline_errors_worker, 2, deadline_s=300):

@@ -230,6 +230,51 @@ def pipeline_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
     return results
 
 
+def message_batches_worker(rank: int, world: int, schedules: list[str]) -> dict:
+    """One training step per schedule over pp = world (4 layers, a stage each, 4 microbatches),
+    recording every `dist.batch_isend_irecv` call the runtime makes: per schedule, the calls
+    (each a list of ("send" | "recv", peer)), the program's sends and receives in order, and
+    the step's `p2p_batches`."""
+    from piper_fx.ir import Recv, Send
+
+    calls: list[list[tuple[str, int]]] = []
+    batch_isend_irecv = dist.batch_isend_irecv
+
+    def recording(ops):
+        calls.append([("send" if op.op is dist.isend else "recv", op.peer) for op in ops])
+        return batch_isend_irecv(ops)
+
+    dist.batch_isend_irecv = recording
+    results = {}
+    try:
+        for schedule in schedules:
+            options = {"mesh": {"pp": world}, "codegen": "eager",
+                       "pipeline": {"schedule": schedule, "microbatches": 4}}
+            cfg = GPTConfig(**{**SMALL, "n_layer": 4}, tied_embeddings=False)
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            model.block_context = lambda: piper_fx.annotate("PP")
+            piper_fx.prepare(model, options)
+            compiled = []
+
+            def backend(gm, example_inputs):
+                compiled.append(piper_fx.piper_backend(gm, example_inputs, options))
+                return compiled[-1]
+
+            calls.clear()
+            torch.compile(model, backend=backend)(*global_batch(0, 8, cfg)).backward()
+            instructions = compiled[0].executor.program.instructions
+            results[schedule] = {
+                "calls": list(calls),
+                "messages": [("send" if isinstance(i, Send) else "recv", i.peer) for i in instructions
+                             if isinstance(i, (Send, Recv))],
+                "p2p_batches": piper_fx.last_step_stats()["p2p_batches"]}
+            torch._dynamo.reset()
+    finally:
+        dist.batch_isend_irecv = batch_isend_irecv
+    return results
+
+
 def activation_memory_worker(rank: int, world: int, microbatches: int) -> dict:
     """Peak bytes of per-microbatch values held by the runtime, per schedule."""
     peaks = {}

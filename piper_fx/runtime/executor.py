@@ -162,21 +162,88 @@ def _value(name: str, microbatch: int | None) -> str:
 
 
 class _Receiving:
-    """A posted receive: the buffer it fills and the work to wait for."""
+    """A receive: the buffer it fills, and once its batch is issued the work to wait for."""
 
     def __init__(self, instruction: Recv):
         self.instruction = instruction
         order = instruction.order
         wire = instruction.shape if order is None else tuple(instruction.shape[dim] for dim in order)
-        received = torch.empty(wire, dtype=instruction.dtype, device=instruction.device)
-        self.work = dist.irecv(received, src=instruction.peer, tag=instruction.tag)
+        self.received = torch.empty(wire, dtype=instruction.dtype, device=instruction.device)
+        self.issued: tuple[_Issued, int] | None = None  # its batch and place in it, once issued
         # The value as its readers were compiled for it: the received rows read in `order`.
-        self.buffer = received if order is None else received.permute(_inverse(order))
+        self.buffer = self.received if order is None else self.received.permute(_inverse(order))
 
     def wait(self, timeline: StepTimeline) -> torch.Tensor:
         with timeline.span(f"recv {self.instruction.value}", COMM_WAIT, "recv"):
-            self.work.wait()
+            batch, message = self.issued
+            batch.wait(message)
         return self.buffer
+
+
+class _Issued:
+    """The works of an issued batch of messages, each waited for once (a gloo work waited for
+    twice waits for a second completion). With a work per message (backends without
+    coalescing) a message waits for its own; with fewer (NCCL's one group), for all."""
+
+    def __init__(self, works: list[dist.Work], messages: int):
+        self.works = works
+        self.per_message = len(works) == messages
+        self.waited: set[int] = set()
+
+    def _works_of(self, message: int) -> range:
+        return range(message, message + 1) if self.per_message else range(len(self.works))
+
+    def wait(self, message: int) -> None:
+        for index in self._works_of(message):
+            if index not in self.waited:
+                self.works[index].wait()
+                self.waited.add(index)
+
+    def completed(self, message: int) -> bool:
+        return all(index in self.waited or self.works[index].is_completed() for index in self._works_of(message))
+
+
+class _P2PBatch:
+    """The sends and receives a program issues back to back (one step of its schedule), issued
+    together as one `dist.batch_isend_irecv`: under NCCL one group, in which a send and a
+    receive between the same two ranks cannot wait for each other (issued one by one on the
+    pair's stream, each side's send would wait for a receive queued behind the other's send).
+    Backends without coalescing (gloo) issue them one by one, in the same order."""
+
+    def __init__(self):
+        self.ops: list[dist.P2POp] = []
+        self.sends: list[tuple[int, torch.Tensor]] = []  # (place in the batch, tensor sent)
+        self.receives: list[tuple[int, _Receiving]] = []
+        self.issued = 0  # batches issued this step
+
+    def send(self, wire: torch.Tensor, instruction: Send) -> None:
+        self.sends.append((len(self.ops), wire))
+        self.ops.append(dist.P2POp(dist.isend, wire, instruction.peer, tag=instruction.tag))
+
+    def receive(self, posted: _Receiving) -> None:
+        self.receives.append((len(self.ops), posted))
+        self.ops.append(dist.P2POp(dist.irecv, posted.received, posted.instruction.peer, tag=posted.instruction.tag))
+
+    def issue(self) -> list[_Sending]:
+        """Issue the batch, if any; returns its sends."""
+        if not self.ops:
+            return []
+        issued = _Issued(dist.batch_isend_irecv(self.ops), len(self.ops))
+        for message, posted in self.receives:
+            posted.issued = (issued, message)
+        sends = [_Sending(issued, message, wire) for message, wire in self.sends]
+        self.ops, self.sends, self.receives = [], [], []
+        self.issued += 1
+        return sends
+
+
+@dataclass(frozen=True)
+class _Sending:
+    """A send in flight: its batch, its place in it, and the tensor it sends."""
+
+    batch: _Issued
+    message: int
+    wire: torch.Tensor
 
 
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
@@ -186,14 +253,14 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inverse)
 
 
-def _in_flight(sends: list[tuple[dist.Work, torch.Tensor]], memory: _HeldBytes) -> list:
+def _in_flight(sends: list[_Sending], memory: _HeldBytes) -> list[_Sending]:
     """The sends not yet completed; the tensors of the others no longer held."""
     flying = []
-    for work, wire in sends:
-        if work.is_completed():
-            memory.release(wire)
+    for send in sends:
+        if send.batch.completed(send.message):
+            memory.release(send.wire)
         else:
-            flying.append((work, wire))
+            flying.append(send)
     return flying
 
 
@@ -289,23 +356,27 @@ class ProgramExecutor:
         """
         timeline = StepTimeline(self.program.rank)
         position = _Position()
+        batch = _P2PBatch()
         try:
             with recording(timeline):
-                results, memory = self._run(values, timeline, position, held or {})
+                results, memory = self._run(values, timeline, position, held or {}, batch)
         except Exception as error:
             failures.raise_failure(error, self.program.rank, call, position.describe())
         stats = {**timeline.stats(), "comm_bytes": dict(self.comm_bytes),
                  "peak_activation_bytes": memory.activation_peak, "memory": memory.peak(),
-                 "instructions": len(self.program.instructions)}
+                 "instructions": len(self.program.instructions), "p2p_batches": batch.issued}
         return results, StepRun(stats, timeline)
 
     def _run(self, values: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position,
-             held: dict[str, int]):
+             held: dict[str, int], batch: _P2PBatch):
         program = self.program
-        pending_sends: list[tuple[dist.Work, torch.Tensor]] = []  # each send's work and the tensor it sends
-        receiving: dict[Key, list[_Receiving]] = {}  # posted receives, completed by the value's first reader
+        pending_sends: list[_Sending] = []
+        receiving: dict[Key, list[_Receiving]] = {}  # receives, completed by the value's first reader
+        # `batch`: the sends and receives not issued yet, those since the last other instruction.
 
         def arrive(key: Key) -> None:
+            if any(posted.issued is None for posted in receiving.get(key, ())):
+                pending_sends.extend(batch.issue())  # a value forwarded in the step it arrives
             for posted in receiving.pop(key, ()):
                 position.receiving = posted.instruction
                 buffer = posted.wait(timeline)
@@ -322,6 +393,8 @@ class ProgramExecutor:
         values.clear()  # consumed: the runtime holds the only references, so values die at their last use
         values = tracked
         for index, instruction in enumerate(program.instructions):
+            if not isinstance(instruction, (Send, Recv)):
+                pending_sends.extend(batch.issue())
             position.instruction = instruction
             if not isinstance(instruction, Recv):
                 for key in program.reads(instruction):
@@ -335,11 +408,12 @@ class ProgramExecutor:
             elif isinstance(instruction, Send):
                 tensor = values[program.key(instruction.value, instruction.microbatch)]
                 wire = _wire(tensor, instruction)
-                pending_sends.append((dist.isend(wire, dst=instruction.peer, tag=instruction.tag), wire))
+                batch.send(wire, instruction)
                 memory.hold(wire, "communication_buffers")  # held by the transfer until it completes
             elif isinstance(instruction, Recv):
                 key = program.key(instruction.value, instruction.microbatch)
                 posted = _Receiving(instruction)
+                batch.receive(posted)
                 receiving.setdefault(key, []).append(posted)
                 memory.hold(posted.buffer, "communication_buffers")
             if not isinstance(instruction, Send):  # only runs and receives add values
@@ -348,12 +422,13 @@ class ProgramExecutor:
                 pending_sends = _in_flight(pending_sends, memory)
             for key in self.drop_after[index]:
                 values.pop(key, None)
+        pending_sends.extend(batch.issue())
         for key in list(receiving):
             arrive(key)
         position.draining_sends = True
         with timeline.span("sends in flight", COMM_WAIT, "send"):
-            for work, _ in pending_sends:
-                work.wait()
+            for send in pending_sends:
+                send.batch.wait(send.message)
         return {name: values[(name, None)] for name in program.outputs if (name, None) in values}, memory
 
     def _run_task(self, instruction: Run, values: dict[Key, torch.Tensor], index: int) -> None:

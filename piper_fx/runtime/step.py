@@ -63,7 +63,9 @@ def last_step_stats() -> dict:
       `parameters`, `optimizer_state`, `gradients`, `activations`,
       `communication_buffers`, `task_temporaries`. Tracked value by value as the
       program runs; what a task holds inside itself is estimated from its graph;
-    - `instructions`: the program's length.
+    - `instructions`: the program's length; `p2p_batches`: how many
+      `dist.batch_isend_irecv` calls its sends and receives went out in (each
+      run of them back to back in the program is one).
 
     Empty before any step ran. A step's own last run is `CompiledStep.last_run`.
     """
