@@ -182,25 +182,30 @@ class _Receiving:
 
 class _Issued:
     """The works of an issued batch of messages, each waited for once (a gloo work waited for
-    twice waits for a second completion). With a work per message (backends without
-    coalescing) a message waits for its own; with fewer (NCCL's one group), for all."""
+    twice waits for a second completion) and let go of once complete (a send's work holds the
+    tensor it sends). With a work per message (backends without coalescing) a message waits
+    for its own; with fewer (NCCL's one group), for all."""
 
     def __init__(self, works: list[dist.Work], messages: int):
-        self.works = works
+        self.works: list[dist.Work | None] = list(works)
         self.per_message = len(works) == messages
-        self.waited: set[int] = set()
 
     def _works_of(self, message: int) -> range:
         return range(message, message + 1) if self.per_message else range(len(self.works))
 
     def wait(self, message: int) -> None:
         for index in self._works_of(message):
-            if index not in self.waited:
+            if self.works[index] is not None:
                 self.works[index].wait()
-                self.waited.add(index)
+                self.works[index] = None
 
     def completed(self, message: int) -> bool:
-        return all(index in self.waited or self.works[index].is_completed() for index in self._works_of(message))
+        for index in self._works_of(message):
+            if self.works[index] is not None and not self.works[index].is_completed():
+                return False
+        for index in self._works_of(message):
+            self.works[index] = None
+        return True
 
 
 class _P2PBatch:
