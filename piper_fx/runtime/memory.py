@@ -62,20 +62,27 @@ def storage_bytes(tensors: Iterable[object]) -> int:
     return sum(storages.values())
 
 
-# Parameter -> bytes of the optimizer state kept for it, as of its optimizer's last step.
-# Kept by parameter, not by step: the optimizer belongs to the user, and a step only
-# knows its parameters. Recorded by a hook on every optimizer's step, installed when
-# piper_fx compiles its first step (`record_optimizer_state`).
+# Parameter -> (bytes of the optimizer state kept for it, the state's values they were
+# counted from), as of its optimizer's last step. Kept by parameter, not by step: the
+# optimizer belongs to the user, and a step only knows its parameters. Recorded by a
+# hook on every optimizer's step, installed when piper_fx compiles its first step
+# (`record_optimizer_state`).
 _OPTIMIZER_STATE_BYTES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _RECORDING: list = []  # the hook's handle, once installed
 
 
 def _record(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Count the state of each parameter whose state values are not those counted last
+    (the first step, a loaded state dict): a step updates them in place, and counting
+    every parameter's after every step cost a tenth of a small model's step."""
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             state = optimizer.state.get(parameter)
             if state:
-                _OPTIMIZER_STATE_BYTES[parameter] = storage_bytes(state.values())
+                values = tuple(map(id, state.values()))
+                recorded = _OPTIMIZER_STATE_BYTES.get(parameter)
+                if recorded is None or recorded[1] != values:
+                    _OPTIMIZER_STATE_BYTES[parameter] = (storage_bytes(state.values()), values)
 
 
 def record_optimizer_state() -> None:
@@ -115,7 +122,7 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> tuple[object, int]:
 def optimizer_state_bytes(parameters: Iterable[torch.Tensor]) -> int:
     """Bytes of optimizer state held for `parameters` as of their optimizers' last steps
     (0 before the first step, or for a parameter no optimizer steps)."""
-    return sum(_OPTIMIZER_STATE_BYTES.get(parameter, 0) for parameter in parameters)
+    return sum(_OPTIMIZER_STATE_BYTES.get(parameter, (0,))[0] for parameter in parameters)
 
 
 @dataclass(frozen=True)
