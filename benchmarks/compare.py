@@ -16,6 +16,9 @@ cold Inductor cache, and again in a fresh Dynamo with the cache warm), and the
 loss after the last step (which must match); and piper_fx's runtime: the share
 of its step spent outside tasks and waits (`last_step_stats()["runtime_fraction"]`)
 and that time per instruction of its program.
+Both sides step AdamW with its foreach implementation (`--foreach on`, as on
+GPUs by default; `off` is torch's CPU default, a loop over parameters, where
+each op on a DTensor parameter (piper_fx's, FSDP2's) pays DTensor's dispatch).
 Pairs: ZeRO-0 vs DDP, ZeRO-3 vs FSDP2 `fully_shard`, ZeRO-2 vs FSDP2 with
 `reshard_after_forward=False`, and each pipeline schedule (gpipe, 1f1b,
 interleaved_1f1b, zbv, dualpipev) vs torch.distributed.pipelining's same
@@ -85,8 +88,9 @@ def _peak_rss_mb() -> float:
 class _Side:
     """One side of a pair on this rank: a model, its compiled step and its optimizer."""
 
-    def __init__(self, make_step, cfg: GPTConfig, cache_dir: str, rank: int, world: int, per_rank: int, dp: int):
-        self.make_step, self.cfg, self.cache_dir = make_step, cfg, cache_dir
+    def __init__(self, make_step, cfg: GPTConfig, cache_dir: str, rank: int, world: int, per_rank: int, dp: int,
+                 foreach: bool):
+        self.make_step, self.cfg, self.cache_dir, self.foreach = make_step, cfg, cache_dir, foreach
         self.rank, self.world, self.per_rank, self.dp = rank, world, per_rank, dp
         self.times: list[float] = []
         self.loss = None
@@ -96,7 +100,7 @@ class _Side:
         model = GPT(self.cfg)
         step, params = self.make_step(model)
         self.step, self.params = step, list(params)
-        self.opt = torch.optim.AdamW(self.params, lr=1e-3)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-3, foreach=self.foreach)
 
     def run(self, i: int) -> float:
         """Step `i` (the global batch's share of this rank), timed between barriers."""
@@ -115,7 +119,7 @@ class _Side:
 
 
 def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: int, world: int, per_rank: int,
-                 dp: int) -> list[dict]:
+                 dp: int, foreach: bool) -> list[dict]:
     """Every side of a pair on this rank, their timed steps alternating (in an order reversed
     every round), so drifts in the machine's load hit them alike. Per side: the median over
     `rounds` of each round's median step time and the rounds' spread, the last loss averaged
@@ -127,7 +131,7 @@ def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: 
     The global batch has `per_rank * world` rows; each of the `dp` data-parallel
     replicas (all ranks; 1 for a pipeline over all ranks) gets its share."""
     torch._dynamo.reset()
-    sides = [_Side(make, cfg, cache, rank, world, per_rank, dp) for make, cache in zip(makers, caches)]
+    sides = [_Side(make, cfg, cache, rank, world, per_rank, dp, foreach) for make, cache in zip(makers, caches)]
     results = [{} for _ in sides]
     for side, result in zip(sides, results):
         _reset_peak_rss()
@@ -311,7 +315,7 @@ def run(rank: int, world: int, init_file: str, args, results) -> None:
         kinds = list(native)
         caches = [os.path.join(args.cache_root, f"pair{index}_{side}") for side in ("piper", *kinds)]
         measured = measure_pair((ours, *native.values()), cfg, caches, args.steps, args.rounds, rank, world,
-                                args.per_rank_batch, dp)
+                                args.per_rank_batch, dp, args.foreach == "on")
         everyone: list = [None] * world
         dist.all_gather_object(everyone, measured)
         # Per side, the slowest rank's times and the largest rank's memory.
@@ -346,6 +350,10 @@ def main() -> None:
     parser.add_argument("--per-rank-batch", type=int, default=8)
     parser.add_argument("--codegen", choices=["inductor", "eager"], default="inductor")
     parser.add_argument("--only", nargs="*", help="run only the pairs whose name contains one of these words")
+    parser.add_argument("--foreach", choices=["on", "off"], default="on",
+                        help="AdamW's foreach implementation on both sides (on: as on GPUs by default; off: "
+                             "torch's CPU default, a loop over parameters, which pays DTensor's dispatch per "
+                             "parameter and op where parameters are DTensors)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -361,7 +369,7 @@ def main() -> None:
     tokens = args.per_rank_batch * args.nproc * CFG.block_size
     print(f"{args.nproc} CPU ranks (gloo), GPT {CFG.n_layer}x{CFG.n_embd} (pipelines: one block per stage), "
           f"{tokens} tokens/step, {args.rounds} rounds of {args.steps} steps after {WARMUP} warm-up, piper_fx "
-          f"codegen {args.codegen}; per pair the slowest rank's time and the largest rank's memory; native: the "
+          f"codegen {args.codegen}, AdamW foreach {args.foreach}; per pair the slowest rank's time and the largest rank's memory; native: the "
           f"faster of compiled and eager; ms: median of the rounds' medians (spread of the rounds); "
           f"ratio = piper / native")
     header = (f"{'pair':<31} {'piper ms':>13} {'native ms':>13} {'native':>8} {'ratio':>5} {'piper tok/s':>11} "
