@@ -15,7 +15,7 @@ from .errors import PiperConfigError
 from .options import Strategy, parse_options_on_all_ranks
 from .sharding.dtensor_params import replicate_parameters
 from .sharding.experts import expert_parameters, is_expert_parameter, shard_experts
-from .sharding.holdings import Holding, held_parameters, record_holding
+from .sharding.holdings import Holding, held_parameters, hide_released_parameters, record_holding
 from .sharding.mesh import dp_group_name, expert_replica_group_name, strategy_mesh
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.row_shard import shard_parameters, sharded_parameter_info
@@ -36,7 +36,10 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     Every other parameter (all of them at ZeRO-0) becomes a `Replicate()`
     DTensor on the dp mesh, sharing the original's storage (the placement DDP's
     replicas have); in a world of one rank parameters stay plain tensors.
-    Parameters keep their names: `state_dict()` keys do not change.
+    Parameters keep their names: `state_dict()` keys do not change, except that
+    under a pipeline, once compiling has released the parameters of stages this
+    rank does not run, its state dict leaves them out (as a stage module of
+    torch.distributed.pipelining holds only its own).
     Calling it again with the same layout is a no-op. With dp > 1 it first gives every replica the first replica's
     parameters and buffers, as DDP does, so it is collective: every rank must call it.
     """
@@ -63,6 +66,8 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     if strategy.pp * strategy.dp > 1:
         replicate_parameters(model, strategy_mesh(strategy)["dp"])
     record_holdings(model, strategy)
+    if strategy.pp > 1:  # compiling releases the parameters of other ranks' stages
+        hide_released_parameters(model)
     if strategy.microbatches > 1:
         model.register_forward_pre_hook(_mark_batch_dimension_dynamic)
     setattr(model, _LAYOUT_ATTR, strategy.layout_key())

@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .compat import resolve_process_group
-from .sharding.holdings import holding_of, is_stored
+from .sharding.holdings import holding_of, is_stored, whole_state_dict
 
 
 def _from_owner(value: torch.Tensor, parameter: torch.Tensor) -> torch.Tensor:
@@ -32,7 +32,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     `model.state_dict()`, tied parameters included under each of their names.
     """
     state: dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict(keep_vars=True).items():
+    with whole_state_dict():
+        entries = model.state_dict(keep_vars=True)
+    for name, value in entries.items():
         if isinstance(value, nn.Parameter) and not is_stored(value):  # a stage this rank does not run
             state[name] = _from_owner(torch.empty(value.shape, dtype=value.dtype, device=value.device), value)
         elif isinstance(value, nn.Parameter):

@@ -27,6 +27,7 @@ PP2_1F1B = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "1f1
 OPTIMIZERS = ("sgd", "adamw_eps")
 DROPOUT = "dropout"  # a GPT with dropout, SGD, saved and resumed at ZeRO-3
 TORCH_API = "torch_api"  # AdamW saved and resumed with torch.distributed.checkpoint.state_dict's functions
+PP_TORCH_API = "pp_torch_api"  # the same under a pipeline, where a rank holds its stages' parameters only
 
 
 def config() -> GPTConfig:
@@ -168,16 +169,51 @@ def resume_worker(rank: int, world: int, root: str) -> dict:
     results[TORCH_API] = {"local_losses": local, "losses": mean, "final": full_numpy(model)}
     torch._dynamo.reset()
 
+    # At pp = world 1F1B, saving after its first step with PyTorch's own API too (root/pp_torch).
     model = build(PP2_1F1B, seed=200 + rank)
     opt = make_optimizer("adamw_eps", model.parameters())
     resumed_at = load_checkpoint(os.path.join(root, "adamw_eps"), model, opt)
-    local, _ = train(compiled(model, PP2_1F1B), opt, PP2_1F1B, range(resumed_at, STEPS), rank, world)
+    step = compiled(model, PP2_1F1B)
+    local, _ = train(step, opt, PP2_1F1B, range(resumed_at, resumed_at + 1), rank, world)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, PP_TORCH_API))
+    local += train(step, opt, PP2_1F1B, range(resumed_at + 1, STEPS), rank, world)[0]
     save_checkpoint(os.path.join(root, "pp"), model, opt, step=STEPS)
     final = full_numpy(model)
     stale = sorted(name for name, p in model.named_parameters() if not np.array_equal(local_piece(p.detach()).numpy(), final[name]))
     results["pp"] = {"step": resumed_at, "losses": local, "final": final, "stale": stale}
     torch._dynamo.reset()
     return results
+
+
+def resume_pp_torch_api_worker(rank: int, world: int, root: str) -> dict:
+    """At pp = world 1F1B, AdamW resumed from root/pp_torch with PyTorch's own `get_state_dict` /
+    `dcp.load` / `set_state_dict` into a fresh model and optimizer before compiling, trained to
+    STEPS: this rank's losses, the final full state, the names in this rank's `state_dict()`
+    once compiled, the parameters the optimizer keeps state for, and the names in
+    `get_state_dict` then. Then the same checkpoint loaded again the same way into the compiled
+    and trained model, and trained to STEPS again: the losses and final state."""
+    model = build(PP2_1F1B, seed=500 + rank)
+    opt = make_optimizer("adamw_eps", model.parameters())
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, PP_TORCH_API))
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    step = compiled(model, PP2_1F1B)
+    local, _ = train(step, opt, PP2_1F1B, range(SAVE_AFTER + 1, STEPS), rank, world)
+    names = {id(p): name for name, p in model.named_parameters()}
+    model_sd, optim_sd = get_state_dict(model, opt)
+    result = {"losses": local, "final": full_numpy(model), "state_dict_keys": sorted(model.state_dict()),
+              "optimizer_state_of": sorted(names[id(p)] for p, state in opt.state.items() if state),
+              "torch_model_keys": sorted(model_sd),
+              "torch_optim_keys": sorted(fqn for fqn, state in optim_sd["state"].items() if state)}
+    # Loaded again into the compiled and trained model, which holds its stages' parameters only.
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, PP_TORCH_API))
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    result["losses_loaded_after_compiling"], _ = train(step, opt, PP2_1F1B, range(SAVE_AFTER + 1, STEPS), rank,
+                                                       world)
+    result["final_loaded_after_compiling"] = full_numpy(model)
+    torch._dynamo.reset()
+    return result
 
 
 def resume_zero1_worker(rank: int, world: int, root: str) -> dict:

@@ -14,8 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 import piper_fx.checkpoint
-from checkpoint_workers import (DROPOUT, GLOBAL_BATCH, OPTIMIZERS, SAVE_AFTER, STEPS, TORCH_API, config, resume_worker,
-                                resume_zero1_worker, train_and_save_worker)
+from checkpoint_workers import (DROPOUT, GLOBAL_BATCH, OPTIMIZERS, PP_TORCH_API, SAVE_AFTER, STEPS, TORCH_API, config,
+                                resume_pp_torch_api_worker, resume_worker, resume_zero1_worker, train_and_save_worker)
 from examples.gpt import GPT
 from piper_fx.checkpoint import load_checkpoint, save_checkpoint
 from ranks import run_ranks
@@ -93,6 +93,33 @@ def test_pytorchs_own_get_state_dict_dcp_and_set_state_dict_resume_bit_exact(sav
         assert after["local_losses"] == before["local_losses"][SAVE_AFTER:], rank
         for key, value in before["final"].items():
             assert np.array_equal(after["final"][key], value), (rank, key)
+
+
+def test_pytorchs_own_state_dict_functions_resume_a_pipeline_bit_exact(root, resumed):
+    """Under a pipeline a rank stores only its stages' parameters (compiling releases the
+    others): its `state_dict()` and PyTorch's `get_state_dict` hold those alone, as a stage
+    module of torch.distributed.pipelining does, DCP writes the ranks' union, and
+    `set_state_dict` resume bit-exact, into a fresh model before compiling and into the
+    compiled and trained one. The optimizer keeps
+    state only for the parameters the rank stores, though `set_state_dict` loaded every one."""
+    resumed_pp = run_ranks(resume_pp_torch_api_worker, 2, root, fresh=True)
+    metadata = dcp.FileSystemReader(os.path.join(root, PP_TORCH_API)).read_metadata().state_dict_metadata
+    plain_keys = set(GPT(config()).state_dict())
+    assert {key[len("model."):] for key in metadata if key.startswith("model.")} == plain_keys
+    stored = []
+    for rank, run in enumerate(resumed_pp):
+        before = resumed[rank]["pp"]
+        for when in ("", "_loaded_after_compiling"):
+            assert run[f"losses{when}"] == before["losses"][1:], (rank, when)
+            for key, value in before["final"].items():
+                assert np.array_equal(run[f"final{when}"][key], value), (rank, when, key)
+        keys = set(run["state_dict_keys"])
+        assert keys < plain_keys and set(run["torch_model_keys"]) == keys, rank
+        params = keys - {name for name, _ in GPT(config()).named_buffers()}
+        assert set(run["optimizer_state_of"]) == set(run["torch_optim_keys"]) == params - {"lm_head.weight"}, rank
+        stored.append(keys)
+    assert stored[0] | stored[1] == plain_keys
+    assert {"wte.weight", "lm_head.weight"} <= stored[0] & stored[1]  # tied: read by the first and last stage
 
 
 def test_resume_at_pp2_1f1b(saved, resumed):

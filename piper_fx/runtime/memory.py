@@ -83,6 +83,8 @@ def _record(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 recorded = _OPTIMIZER_STATE_BYTES.get(parameter)
                 if recorded is None or recorded[1] != values:
                     _OPTIMIZER_STATE_BYTES[parameter] = (storage_bytes(state.values()), values)
+            elif state is not None:  # emptied (a parameter released under a pipeline)
+                _OPTIMIZER_STATE_BYTES.pop(parameter, None)
 
 
 def record_optimizer_state() -> None:

@@ -18,12 +18,15 @@ counts its piece when every rank's pieces are summed (a global gradient norm).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..compat import resolve_process_group
@@ -89,8 +92,12 @@ def record_pipeline_trainer(parameter: torch.Tensor, pp_rank: int, pp_group_name
 def release(parameter: torch.Tensor) -> None:
     """Free the storage of a parameter this rank never reads (a pipeline stage it does not run):
     the object, its shape and its place in the optimizer stay, its values are gone (as FSDP frees
-    a sharded parameter's storage). Record it, so readers of values skip it."""
+    a sharded parameter's storage). Record it, so readers of values skip it, and from now on
+    keep it out of every optimizer step (`_skip_released`)."""
     record_holding(parameter, replace(holding_of(parameter), stored=False))
+    _RELEASED[parameter] = True
+    if not _OPTIMIZER_HOOK:
+        _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_skip_released))
     local = Holding.local(parameter)
     if local.device.type != "meta":
         local.untyped_storage().resize_(0)
@@ -98,6 +105,83 @@ def release(parameter: torch.Tensor) -> None:
 
 def is_stored(parameter: torch.Tensor) -> bool:
     return holding_of(parameter).stored
+
+
+# ---- Released parameters as PyTorch's own state-dict and optimizer code see them.
+#
+# Under a pipeline a rank holds its stages' parameters only, as a stage module of
+# torch.distributed.pipelining does: its state dict has their keys alone (DCP writes
+# the union of the ranks'), loading leaves the others out, and no optimizer steps them.
+
+_RELEASED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # released parameters, as a set
+_OPTIMIZER_HOOK: list = []  # the step pre-hook's handle, once installed
+_WHOLE = contextvars.ContextVar("piper_fx_whole_state_dict", default=False)
+
+
+def _skip_released(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook (every optimizer): a released parameter has no gradient, whatever
+    set one (`torch.distributed.checkpoint.state_dict` initialises the state by stepping every
+    parameter with zero gradients), and in `optimizer` an empty state, that of a parameter never
+    stepped (a state loaded before compiling holds every stage's). Empty, not absent: loading
+    an optimizer state dict with `set_state_dict` asks for an entry of every parameter."""
+    if not _RELEASED:
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for parameter in list(_RELEASED.keys()):
+        parameter.grad = None
+        if id(parameter) in held and optimizer.state.get(parameter) != {}:
+            optimizer.state[parameter] = {}
+
+
+@contextlib.contextmanager
+def whole_state_dict():
+    """Within it, `state_dict()` of a model prepared for a pipeline has every key, released
+    parameters included (for piper_fx's own readers, which fetch their values from their trainer)."""
+    token = _WHOLE.set(True)
+    try:
+        yield
+    finally:
+        _WHOLE.reset(token)
+
+
+def _released_names(model: nn.Module, prefix: str) -> list[str]:
+    if not _RELEASED:
+        return []
+    return [prefix + name for name, p in model.named_parameters(remove_duplicate=False) if p in _RELEASED]
+
+
+def _drop_released_from_state_dict(model: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    if not _WHOLE.get():
+        for name in _released_names(model, prefix):
+            state_dict.pop(name, None)
+
+
+def _drop_released_from_loaded(model: nn.Module, state_dict: dict, prefix: str, local_metadata, strict,
+                               missing_keys, unexpected_keys, error_msgs) -> None:
+    for name in _released_names(model, prefix):  # nothing to write them into
+        state_dict.pop(name, None)
+
+
+def _released_are_not_missing(model: nn.Module, incompatible_keys) -> None:
+    """Load post-hook; the keys are named from the module `load_state_dict` was called on,
+    `model` or one holding it, so a released parameter's key ends with its name in `model`."""
+    released = set(_released_names(model, ""))
+    if released:
+        incompatible_keys.missing_keys[:] = [
+            key for key in incompatible_keys.missing_keys
+            if not any(key[i:] in released for i in [0, *(j + 1 for j, c in enumerate(key) if c == ".")])]
+
+
+def hide_released_parameters(model: nn.Module) -> None:
+    """Make `model.state_dict()` and `load_state_dict` see only the parameters this rank stores,
+    once compiling has released the others (until then, every one): a released parameter's key
+    is left out of the state dict, its value dropped from a loaded one, and its absence from a
+    loaded state dict is no missing key under `strict`. PyTorch's `get_state_dict`,
+    `set_state_dict` and `dcp.save` / `dcp.load` then work on a pipelined model as on
+    torch.distributed.pipelining's stage modules."""
+    model.register_state_dict_post_hook(_drop_released_from_state_dict)
+    model.register_load_state_dict_pre_hook(_drop_released_from_loaded)
+    model.register_load_state_dict_post_hook(_released_are_not_missing)
 
 
 @dataclass(frozen=True)
