@@ -133,11 +133,12 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
         "expert_loads": expert_loads,
         "param_errors": param_errors,
         "optimizer_state_bytes": optimizer_state_bytes(opt),
-        "params_with_state": sorted(name for name, p in model.named_parameters() if p in opt.state),
+        # A released parameter (another rank's stage) has an empty state: it is never stepped.
+        "params_with_state": sorted(name for name, p in model.named_parameters() if opt.state.get(p)),
         # Parameters this rank trained, as it holds them (several pipeline ranks may hold one);
         # numpy, since a worker's tensors would travel as shared memory that dies with it.
         "trained_values": {name: local(p.detach()).numpy().copy() for name, p in model.named_parameters()
-                           if p in opt.state},
+                           if opt.state.get(p)},
         "all_params": sorted(name for name, _ in model.named_parameters()),
         "placements": {name: placement(p) for name, p in model.named_parameters()},
         # Each optimizer state of a parameter's shape, placed like the parameter (FSDP2's convention).
