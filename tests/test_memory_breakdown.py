@@ -16,6 +16,11 @@ CASES = {
     "1f1b": {**PIPELINE, "pipeline": {"schedule": "1f1b", "microbatches": 4}},
     "zbv": {**PIPELINE, "pipeline": {"schedule": "zbv", "microbatches": 4}},
     "dualpipev": {**PIPELINE, "pipeline": {"schedule": "dualpipev", "microbatches": 4}},
+    # Recomputation peaks late in the backward, after it has read most parameters: which the
+    # task must not count as freed at their last read (the model holds them).
+    "zero0_full_ac": {"zero": 0, "codegen": "eager", "activation_checkpointing": {"mode": "full"}},
+    "1f1b_selective_ac": {**PIPELINE, "pipeline": {"schedule": "1f1b", "microbatches": 4},
+                          "activation_checkpointing": {"mode": "selective"}},
 }
 # What the allocator may see beyond the reported parts, as a share of what the step makes
 # (the peak less the parameters and optimizer state held throughout): buffers no graph
@@ -37,7 +42,9 @@ def test_parts_add_up_to_the_peak_the_allocator_measured(runs, case):
         memory = run["memory"]
         assert set(memory) == {"peak", *MEMORY_PARTS}
         assert sum(memory[part] for part in MEMORY_PARTS) == memory["peak"], (case, rank, memory)
-        assert memory["activations"] > 0 and memory["task_temporaries"] >= 0, (case, rank, memory)
+        # Under full checkpointing the peak may come once the backward has freed every saved input.
+        assert memory["activations"] > 0 or "_ac" in case, (case, rank, memory)
+        assert memory["task_temporaries"] >= 0, (case, rank, memory)
         made = memory["peak"] - memory["parameters"] - memory["optimizer_state"]
         assert made * 0.999 <= run["measured"] <= made * (1 + MARGIN), (case, rank, made, run["measured"])
 
@@ -49,7 +56,7 @@ def test_parameters_and_optimizer_state_are_what_the_rank_holds(runs, case):
         assert memory["parameters"] == run["param_bytes"], (case, rank)
         assert memory["optimizer_state"] == run["optimizer_state_bytes"], (case, rank)
     held = [run["param_bytes"] for run in runs[case]]
-    if case == "zero0":  # a replica each
+    if case.startswith("zero0"):  # a replica each
         assert held == [runs[case][0]["model_bytes"]] * 2
     else:  # rows of every parameter (ZeRO-3) or the stages a rank runs (pipelines): about half each
         assert sum(held) >= runs[case][0]["model_bytes"] and max(held) < 0.6 * runs[case][0]["model_bytes"], held

@@ -330,14 +330,17 @@ class ProgramExecutor:
         self.task_peaks = self._task_peaks()
 
     def _task_peaks(self) -> dict[int, tuple[TaskPeak, list[Key]]]:
-        """Per run instruction: its task's peak (`task_peak`) and the values it has freed by then."""
+        """Per run instruction: its task's peak (`task_peak`) and the values it has freed by then.
+        An argument is freed inside the task if the runtime drops it for the run and it is not
+        the step's input (parameters, buffers and the batch live on, in the model and the caller)."""
         peaks: dict[int, tuple[TaskPeak, list[Key]]] = {}
         by_task: dict[tuple[str, tuple[int, ...]], TaskPeak] = {}  # runs of one task free alike
+        step_inputs = set(self.program.inputs)
         for index, instruction in enumerate(self.program.instructions):
             if isinstance(instruction, Run):
                 arguments = self.arguments[index]
                 dropped = set(self.drop_after[index])
-                releasable = tuple(i for i, key in enumerate(arguments) if key in dropped)
+                releasable = tuple(i for i, key in enumerate(arguments) if key in dropped and key[0] not in step_inputs)
                 cache = (instruction.task, releasable)
                 if cache not in by_task:
                     by_task[cache] = task_peak(self.program.tasks[instruction.task].graph.graph, releasable)
