@@ -119,7 +119,7 @@ def check_one_device(example_inputs: list) -> torch.device | None:
 def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
     strategy = parse_options_on_all_ranks(options)
     check_prepared(strategy, example_inputs)
-    check_one_device(example_inputs)
+    device = check_one_device(example_inputs)
 
     dump = DebugDump(strategy.debug_dir, strategy.rank)
     stats = CompileStats()
@@ -146,7 +146,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     seed_val = dag.placeholders()[seed.name].meta["val"] if seed is not None else None
     num_user_outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
     return CompiledStep(
-        ProgramExecutor(program, compiled), dag.inputs, dag.outputs,
+        ProgramExecutor(program, compiled, device), dag.inputs, dag.outputs,
         seed_val.shape if seed_val is not None else None,
         seed_val.dtype if seed_val is not None else None,
         seed_val.device if seed_val is not None else None,

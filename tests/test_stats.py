@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from ranks import run_ranks
 from training import stats_worker
@@ -15,6 +16,31 @@ def _check_times(stats):
     assert sum(stats["comm_wait_s_by_kind"].values()) == pytest.approx(stats["comm_wait_s"])
     assert stats["compute_s"] + stats["comm_wait_s"] + stats["runtime_s"] == pytest.approx(stats["step_s"], rel=1e-3)
     assert 0 < stats["runtime_fraction"] < 1
+
+
+def test_on_a_device_with_streams_steps_are_timed_by_events_read_only_when_asked():
+    """On a GPU the host only enqueues work: a step is timed by events on the device's stream
+    (here a stand-in recording host time), and reading them waits for the work before them,
+    so the runtime reads none while it steps (no host synchronisation in the hot path), only
+    when the stats or the trace are asked for. Pipeline 1F1B: tasks, receives and sends."""
+    from training import stream_clock_worker
+
+    options = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+    for run in run_ranks(stream_clock_worker, 2, options):
+        assert run["read_while_stepping"] == 0 and run["read"] > 0, run
+        _check_times(run["stats"])
+        spans = [e for e in run["trace"]["traceEvents"] if e["ph"] == "X"]
+        assert {e["cat"] for e in spans} >= {"compute", "comm wait"} and all(e["dur"] >= 0 for e in spans)
+
+
+def test_choosing_a_clock_by_device(monkeypatch):
+    from piper_fx.runtime.timing import HostClock, StreamClock, clock_for
+    from training import DeviceEvents
+
+    assert isinstance(clock_for(None), HostClock) and isinstance(clock_for(torch.device("cpu")), HostClock)
+    assert isinstance(clock_for(torch.device("meta")), HostClock)
+    monkeypatch.setattr(torch, "get_device_module", lambda device_type: DeviceEvents)
+    assert isinstance(clock_for(torch.device("cuda", 0)), StreamClock)
 
 
 def test_ddp_all_reduces_every_gradient_byte_once_per_step():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import torch.distributed as dist
@@ -408,6 +409,58 @@ def stats_worker(rank: int, world: int, options: dict, steps: int = 3) -> dict:
         stats.append(piper_fx.last_step_stats())
     return {"stats": stats, "param_bytes": param_bytes, "shard_bytes": shard_bytes,
             "trace": piper_fx.last_step_trace()}
+
+
+class DeviceEvents:
+    """Stands for a device module's timing events (`torch.cuda.Event`) on the CPU: a
+    stamp of host time at `record`, read by `elapsed_time` only once `synchronize`d (a
+    device's events complete later than the host records them); counts the reads."""
+
+    synchronized = 0
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            assert enable_timing
+            self.at, self.done = None, False
+
+        def record(self) -> None:
+            self.at = time.perf_counter_ns()
+
+        def synchronize(self) -> None:
+            DeviceEvents.synchronized += 1
+            self.done = True
+
+        def elapsed_time(self, end: "DeviceEvents.Event") -> float:
+            assert end.done, "read before its work completed"
+            return (end.at - self.at) / 1e6
+
+
+def stream_clock_worker(rank: int, world: int, options: dict, steps: int = 3) -> dict:
+    """`stats_worker` with each step timed by a stream clock over `DeviceEvents`, as on a
+    GPU: the events read during the steps, and after the stats and trace were asked for."""
+    from piper_fx.runtime import executor
+    from piper_fx.runtime.timing import StreamClock
+
+    clock_for = executor.clock_for
+    executor.clock_for = lambda device: StreamClock(DeviceEvents)
+    try:
+        DeviceEvents.synchronized = 0
+        cfg = GPTConfig(**SMALL)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        model.block_context = lambda: piper_fx.annotate("PP")
+        piper_fx.prepare(model, options)
+        step = torch.compile(model, backend="piper", options=options)
+        dp = world // options.get("mesh", {}).get("pp", 1)
+        for i in range(steps):
+            x, y = global_batch(i, 2 * world, cfg)
+            step(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]).backward()
+        read_while_stepping = DeviceEvents.synchronized
+        stats, trace = piper_fx.last_step_stats(), piper_fx.last_step_trace()
+        return {"read_while_stepping": read_while_stepping, "read": DeviceEvents.synchronized,
+                "stats": stats, "trace": trace}
+    finally:
+        executor.clock_for = clock_for
 
 
 def expert_errors_worker(rank: int, world: int) -> dict:

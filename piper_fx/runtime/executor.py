@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from ..ir import Instruction, RankProgram, Recv, Run, Send
 from . import failures
 from .memory import MEMORY_PARTS, TaskPeak, storage_key, task_peak
-from .timing import COMM_WAIT, COMPUTE, StepTimeline, recording
+from .timing import COMM_WAIT, COMPUTE, StepTimeline, clock_for, recording
 
 # Context managers entered around every task run, e.g. a dispatch mode that
 # measures memory. Entered here, inside the compiled step, because Dynamo runs
@@ -301,11 +302,16 @@ class _Position:
 
 @dataclass(frozen=True)
 class StepRun:
-    """What one run of a program measured: its stats (`piper_fx.last_step_stats`
-    lists the keys) and its timeline."""
+    """What one run of a program measured: its counts and its timeline, whose times are read
+    when the stats are first asked for (on a GPU, once the step's work has run)."""
 
-    stats: dict
+    counts: dict
     timeline: StepTimeline
+
+    @functools.cached_property
+    def stats(self) -> dict:
+        """Its stats (`piper_fx.last_step_stats` lists the keys)."""
+        return {**self.timeline.stats(), **self.counts}
 
     def trace(self) -> dict:
         """The run as a Chrome / Perfetto trace (a JSON-able dict)."""
@@ -315,9 +321,11 @@ class StepRun:
 class ProgramExecutor:
     """Runs one rank's program; each value is dropped after the last instruction that reads it."""
 
-    def __init__(self, program: RankProgram, compiled: dict[str, Callable[[list], Sequence[torch.Tensor]]]):
+    def __init__(self, program: RankProgram, compiled: dict[str, Callable[[list], Sequence[torch.Tensor]]],
+                 device: torch.device | None = None):
         self.program = program
         self.compiled = compiled
+        self.device = device  # where the rank computes (the model's device): its clock times the steps
         self.comm_bytes = program.communication_bytes()  # fixed by the program: counted once
         self.part_of: dict[str, str | None] = {name: "gradients" for name in program.accumulated | set(program.outputs)}
         self.part_of.update(dict.fromkeys(program.inputs))
@@ -362,7 +370,7 @@ class ProgramExecutor:
         rank 1: failed in task B0.2"; on every other rank, `PeerFailedError`
         naming that rank, raised from this rank's own error.
         """
-        timeline = StepTimeline(self.program.rank)
+        timeline = StepTimeline(self.program.rank, clock_for(self.device))
         position = _Position()
         batch = _P2PBatch()
         try:
@@ -370,10 +378,10 @@ class ProgramExecutor:
                 results, memory = self._run(values, timeline, position, held or {}, batch)
         except Exception as error:
             failures.raise_failure(error, self.program.rank, call, position.describe())
-        stats = {**timeline.stats(), "comm_bytes": dict(self.comm_bytes),
-                 "peak_activation_bytes": memory.activation_peak, "memory": memory.peak(),
-                 "instructions": len(self.program.instructions), "p2p_batches": batch.issued}
-        return results, StepRun(stats, timeline)
+        counts = {"comm_bytes": dict(self.comm_bytes), "peak_activation_bytes": memory.activation_peak,
+                  "memory": memory.peak(), "instructions": len(self.program.instructions),
+                  "p2p_batches": batch.issued}
+        return results, StepRun(counts, timeline)
 
     def _run(self, values: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position,
              held: dict[str, int], batch: _P2PBatch):

@@ -10,6 +10,13 @@ collective of a task in flight, from its issue to the end of its wait, so
 the trace shows what it overlapped (e.g. a DualPipe pair's all-to-all under
 the other half's compute).
 
+On a device with streams (a GPU) the host only enqueues work, so its clock
+would time the issuing. There the timeline stamps are events recorded on the
+device's current stream (`StreamClock`): a task's span is its kernels' time, a
+wait's span the time the stream stood still for the transfer (a wait on a
+stream issues no host synchronisation). They are read, once, when the stats or
+the trace are asked for (`last_step_stats()`), not at the end of every step.
+
 In-task collectives are timed only with the option `profile` (otherwise their
 waits count as the task's compute): eager task graphs then call
 `timed_collective` and `timed_wait` in place of the collectives and
@@ -23,7 +30,7 @@ import contextlib
 import contextvars
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -35,12 +42,57 @@ COMPUTE, COMM, COMM_WAIT = "compute", "comm", "comm wait"
 _LANES = {COMPUTE: 0, COMM: 1, COMM_WAIT: 2}
 
 
+class HostClock:
+    """Stamps in the host's nanoseconds: where work runs as the host issues it (the CPU)."""
+
+    def stamp(self) -> Any:
+        return time.time_ns()
+
+    def ns(self, stamp: Any) -> int:
+        return stamp
+
+
+class StreamClock:
+    """Stamps as timing events recorded on the device's current stream (`device_module`:
+    `torch.cuda` and the like), read as nanoseconds once the work before each has run:
+    the first event's host time plus the device time elapsed since it."""
+
+    def __init__(self, device_module: Any):
+        self.events = device_module
+        self.origin, self.origin_ns = self.stamp(), time.time_ns()
+        self.synchronized = 0  # how many stamps were read (each waits for its event once)
+
+    def stamp(self) -> Any:
+        event = self.events.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ns(self, stamp: Any) -> int:
+        if isinstance(stamp, int):
+            return stamp
+        stamp.synchronize()
+        self.synchronized += 1
+        return self.origin_ns + round(self.origin.elapsed_time(stamp) * 1e6)
+
+
+def clock_for(device: torch.device | None) -> HostClock | StreamClock:
+    """The clock of work on `device`: its stream's events where it has streams with timing
+    events (an accelerator), else the host's."""
+    if device is None or device.type in ("cpu", "meta"):
+        return HostClock()
+    module = torch.get_device_module(device.type)
+    return StreamClock(module) if hasattr(module, "Event") else HostClock()
+
+
 @dataclass
 class Span:
+    """A span of a lane. Its ends are the clock's stamps until the timeline is read
+    (`StepTimeline.resolve`), then nanoseconds."""
+
     name: str
     lane: str
-    start_ns: int
-    end_ns: int
+    start_ns: Any
+    end_ns: Any
     inside_task: bool = False
     kind: str | None = None  # what was waited for: a collective kind, "recv" or "send"
 
@@ -48,16 +100,25 @@ class Span:
 @dataclass
 class StepTimeline:
     rank: int
-    start_ns: int = field(default_factory=time.time_ns)
-    end_ns: int = 0
+    clock: HostClock | StreamClock = field(default_factory=HostClock)
+    start_ns: Any = None
+    end_ns: Any = None
     spans: list[Span] = field(default_factory=list)
-    # Collectives in flight: the storage of each one's result -> (kind, issue time).
-    in_flight: dict[int, tuple[str, int]] = field(default_factory=dict)
+    # Collectives in flight: the storage of each one's result -> (kind, issue stamp).
+    in_flight: dict[int, tuple[str, Any]] = field(default_factory=dict)
     _task_depth: int = 0
+    _resolved: bool = False
+
+    def __post_init__(self):
+        if self.start_ns is None:
+            self.start_ns = self.clock.stamp()
+
+    def stamp(self) -> Any:
+        return self.clock.stamp()
 
     @contextlib.contextmanager
     def span(self, name: str, lane: str, kind: str | None = None) -> Iterator[None]:
-        start = time.time_ns()
+        start = self.clock.stamp()
         if lane == COMPUTE:
             self._task_depth += 1
         try:
@@ -65,9 +126,24 @@ class StepTimeline:
         finally:
             if lane == COMPUTE:
                 self._task_depth -= 1
-            self.spans.append(Span(name, lane, start, time.time_ns(), self._task_depth > 0, kind))
+            self.spans.append(Span(name, lane, start, self.clock.stamp(), self._task_depth > 0, kind))
+
+    def end(self) -> None:
+        self.end_ns = self.clock.stamp()
+
+    def resolve(self) -> "StepTimeline":
+        """Read every stamp as nanoseconds (on a stream clock, once the step's work has run)."""
+        if not self._resolved:
+            ns = self.clock.ns
+            self.start_ns = ns(self.start_ns)
+            self.end_ns = ns(self.end_ns) if self.end_ns is not None else time.time_ns()
+            for s in self.spans:
+                s.start_ns, s.end_ns = ns(s.start_ns), ns(s.end_ns)
+            self._resolved = True
+        return self
 
     def stats(self) -> dict:
+        self.resolve()
         tasks = sum(s.end_ns - s.start_ns for s in self.spans if s.lane == COMPUTE)
         waits = [s for s in self.spans if s.lane == COMM_WAIT]
         waited = sum(s.end_ns - s.start_ns for s in waits)
@@ -75,7 +151,7 @@ class StepTimeline:
         by_kind: dict[str, float] = {}
         for s in waits:
             by_kind[s.kind or "other"] = by_kind.get(s.kind or "other", 0.0) + (s.end_ns - s.start_ns) / 1e9
-        step = (self.end_ns or time.time_ns()) - self.start_ns
+        step = self.end_ns - self.start_ns
         # What is neither in a task nor waiting: the runtime's own work (its instruction loop,
         # freeing values, issuing sends, these stats).
         runtime = max(0, step - (tasks - waits_in_tasks) - waited)
@@ -85,6 +161,7 @@ class StepTimeline:
 
     def chrome_trace(self) -> dict:
         """The step as a Chrome / Perfetto trace (open in ui.perfetto.dev or chrome://tracing)."""
+        self.resolve()
         events = [{"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}}]
         events += [{"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": lane}}
                    for lane, tid in _LANES.items()]
@@ -103,7 +180,7 @@ def recording(timeline: StepTimeline) -> Iterator[StepTimeline]:
     try:
         yield timeline
     finally:
-        timeline.end_ns = time.time_ns()
+        timeline.end()
         _recording.reset(token)
 
 
@@ -112,7 +189,7 @@ def _issue(kind: str, op, args: tuple, kwargs: dict) -> torch.Tensor:
     result = op(*args, **kwargs)
     timeline = _recording.get()
     if timeline is not None:
-        timeline.in_flight[storage_key(result)] = (kind, time.time_ns())
+        timeline.in_flight[storage_key(result)] = (kind, timeline.stamp())
     return result
 
 
@@ -136,7 +213,7 @@ def timed_wait(tensor: torch.Tensor) -> torch.Tensor:
     with timeline.span(f"wait {kind or 'collective'}", COMM_WAIT, kind):
         result = WAIT(tensor)
     if issued is not None:
-        timeline.spans.append(Span(kind, COMM, issued, time.time_ns(), True, kind))
+        timeline.spans.append(Span(kind, COMM, issued, timeline.stamp(), True, kind))
     return result
 
 
