@@ -6,6 +6,7 @@ The FX graph cache (TORCHINDUCTOR_CACHE_DIR) is shared across ranks and runs.
 """
 from __future__ import annotations
 
+import torch.fx as fx
 
 from ..compat import TracingContext, compile_fx_inner, inductor_config, tracing
 from ..ir import Task
@@ -17,7 +18,23 @@ def _fake_inputs(task: Task) -> list:
     return [n.meta["val"] for n in task.graph.graph.nodes if n.op == "placeholder"]
 
 
+def _name_by_position(gm: fx.GraphModule) -> None:
+    """Name every value of `gm` by its place (inputs `in0`, `in1`, ..., the rest `v0`, `v1`,
+    ...), in place. Tasks that compute the same on other values (a layer of one stage and the
+    same layer of another, on this rank or another) then have the same code, hence the same
+    key in Inductor's FX graph cache: each distinct task is compiled once, and loaded for
+    the others."""
+    graph = gm.graph
+    for index, node in enumerate(graph.find_nodes(op="placeholder")):
+        node._rename(f"in{index}")
+        node.target = node.name
+    for index, node in enumerate(n for n in graph.nodes if n.op not in ("placeholder", "output")):
+        node._rename(f"v{index}")
+    gm.recompile()
+
+
 def compile_task(task: Task, time_waits: bool = False):
+    _name_by_position(task.graph)
     example_inputs = _fake_inputs(task)
     fake_mode = next((v.fake_mode for v in example_inputs if hasattr(v, "fake_mode")), None)
     # The task's order is the overlap policy (`reorder_for_overlap`, `fuse_overlapped_pairs`):
