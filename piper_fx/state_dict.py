@@ -28,8 +28,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Collective for sharded and pipelined models (every rank must call it):
     DTensor parameters are gathered over their group, and each parameter of a
-    pipeline comes from the pipeline rank that trains it. Keys match
-    `model.state_dict()`, tied parameters included under each of their names.
+    pipeline comes from the pipeline rank that trains it. Keys are those of the
+    unprepared model's `state_dict()`, tied parameters included under each of
+    their names (under a pipeline every rank's, where a rank's own state dict
+    holds its stages' alone).
     """
     state: dict[str, torch.Tensor] = {}
     with whole_state_dict():
