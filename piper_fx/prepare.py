@@ -35,7 +35,9 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     never ZeRO-sharded on top); with ep = 1 experts are ordinary parameters.
     Every other parameter (all of them at ZeRO-0) becomes a `Replicate()`
     DTensor on the dp mesh, sharing the original's storage (the placement DDP's
-    replicas have); in a world of one rank parameters stay plain tensors.
+    replicas have); with dp = 1 (one rank, or a pipeline alone) nothing
+    replicates them and they stay plain tensors, as in a stage module of
+    torch.distributed.pipelining.
     Parameters keep their names: `state_dict()` keys do not change, except that
     under a pipeline, once compiling has released the parameters of stages this
     rank does not run, its state dict leaves them out (as a stage module of
@@ -63,7 +65,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
         shard_parameters(model, strategy_mesh(strategy)["dp"], keep=lambda p: strategy.ep > 1 and is_expert_parameter(p))
     if experts:
         shard_experts(model, strategy_mesh(strategy)["ep"])
-    if strategy.pp * strategy.dp > 1:
+    if strategy.dp > 1:
         replicate_parameters(model, strategy_mesh(strategy)["dp"])
     record_holdings(model, strategy)
     if strategy.pp > 1:  # compiling releases the parameters of other ranks' stages
