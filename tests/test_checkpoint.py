@@ -98,10 +98,10 @@ def test_pytorchs_own_get_state_dict_dcp_and_set_state_dict_resume_bit_exact(sav
 def test_pytorchs_own_state_dict_functions_resume_a_pipeline_bit_exact(root, resumed):
     """Under a pipeline a rank stores only its stages' parameters (compiling releases the
     others): its `state_dict()` and PyTorch's `get_state_dict` hold those alone, as a stage
-    module of torch.distributed.pipelining does, DCP writes the ranks' union, and
-    `set_state_dict` resume bit-exact, into a fresh model before compiling and into the
-    compiled and trained one. The optimizer keeps
-    state only for the parameters the rank stores, though `set_state_dict` loaded every one."""
+    module of torch.distributed.pipelining does, and DCP writes the ranks' union. PyTorch's
+    `get_state_dict` / `dcp.load` / `set_state_dict` resume bit-exact, into a fresh model
+    before compiling and into the compiled and trained one. The optimizer keeps state only
+    for the parameters the rank stores, though `set_state_dict` loaded every one."""
     resumed_pp = run_ranks(resume_pp_torch_api_worker, 2, root, fresh=True)
     metadata = dcp.FileSystemReader(os.path.join(root, PP_TORCH_API)).read_metadata().state_dict_metadata
     plain_keys = set(GPT(config()).state_dict())
