@@ -68,8 +68,6 @@ class StreamClock:
         return event
 
     def ns(self, stamp: Any) -> int:
-        if isinstance(stamp, int):
-            return stamp
         stamp.synchronize()
         self.synchronized += 1
         return self.origin_ns + round(self.origin.elapsed_time(stamp) * 1e6)

@@ -165,11 +165,11 @@ def _drop_released_from_loaded(model: nn.Module, state_dict: dict, prefix: str, 
 def _released_are_not_missing(model: nn.Module, incompatible_keys) -> None:
     """Load post-hook; the keys are named from the module `load_state_dict` was called on,
     `model` or one holding it, so a released parameter's key ends with its name in `model`."""
-    released = set(_released_names(model, ""))
+    released = _released_names(model, "")
     if released:
         incompatible_keys.missing_keys[:] = [
             key for key in incompatible_keys.missing_keys
-            if not any(key[i:] in released for i in [0, *(j + 1 for j, c in enumerate(key) if c == ".")])]
+            if not any(key == name or key.endswith("." + name) for name in released)]
 
 
 def hide_released_parameters(model: nn.Module) -> None:
