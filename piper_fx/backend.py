@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from . import plan_cache
 from .capture import capture
 from .codegen import compile_program
 from .compile_stats import CompileStats, record
@@ -23,12 +24,13 @@ from .options import Strategy, parse_options_on_all_ranks
 from .passes import dump_path, run_passes
 from .passes.functionalize_random import step_randomness
 from .philox import attach_stream
+from .plan_cache import Plan, plan_of
 from .prepare import check_prepared
 from .runtime.executor import ProgramExecutor
 from .runtime.step import CompiledStep
 from .schedules import svg, text_grid
 from .sharding.holdings import Holding, has_holding, record_holding, record_pipeline_trainer, release
-from .sharding.mesh import dp_group_name, pp_group_name
+from .sharding.mesh import dp_group_name, group_names, pp_group_name
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.specs import placement_table
 from .sharding.units import find_units
@@ -70,27 +72,55 @@ def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: Deb
     return run_passes(dag, strategy, after_pass)
 
 
-def record_compiled_holdings(dag, example_inputs: list, strategy: Strategy) -> None:
+def planned_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: DebugDump,
+                 stats: CompileStats) -> Plan:
+    """This rank's plan of the step: loaded from the plan cache (`plan_cache`) when a compile
+    of the same graph, inputs and strategy made it before, in this process or another;
+    planned now (`plan`) and stored there otherwise. Builds the strategy's process groups
+    first, collectively: every rank, whether it finds its plan or not."""
+    groups = group_names(strategy)
+    key = plan_cache.plan_key(gm, example_inputs, strategy, groups) if plan_cache.enabled() else None
+    if key is not None:
+        with stats.phase("plan cache"):
+            cached = plan_cache.load(key)
+        if cached is not None and (cached.dumps is not None or not dump.enabled):
+            stats.plan = "cache hit"
+            with stats.phase("dumps"):  # those planning wrote, as it wrote them
+                for path, text in (cached.dumps or {}).items() if dump.enabled else ():
+                    dump.write(path, text)
+            return cached
+    dump.recorded = {} if dump.enabled and key is not None else None
+    dag = plan(gm, example_inputs, strategy, dump, stats)
+    planned = plan_of(dag, strategy.rank, dump.recorded)
+    dump.recorded = None
+    if key is not None:
+        with stats.phase("plan cache"):
+            plan_cache.store(key, planned)
+        stats.plan = "planned, cached"
+    return planned
+
+
+def record_compiled_holdings(planned: Plan, example_inputs: list, strategy: Strategy) -> None:
     """Complete each parameter's `Holding`: a replica over dp if `prepare` did not
     lay it out, and under a pipeline, the pipeline rank that trains it."""
-    for graph_input in dag.inputs:
+    for graph_input in planned.inputs:
         if graph_input.role not in (InputRole.PARAM, InputRole.PARAM_SHARD):
             continue
         parameter = example_inputs[graph_input.arg_index]
         if not has_holding(parameter):
-            record_holding(parameter, Holding(tuple(parameter.shape), replica_group=dag.dp_group))
-        holders = dag.parameter_holders.get(graph_input.name)
+            record_holding(parameter, Holding(tuple(parameter.shape), replica_group=planned.dp_group))
+        holders = planned.parameter_holders.get(graph_input.name)
         if strategy.pp > 1 and holders:  # they all end the step with the same value; the first counts
             record_pipeline_trainer(parameter, holders[0], pp_group_name(strategy))
 
 
-def release_other_stages(dag, example_inputs: list, strategy: Strategy) -> None:
+def release_other_stages(planned: Plan, example_inputs: list, strategy: Strategy) -> None:
     """Under a pipeline, free the storage of every parameter no stage of this rank reads:
     a rank holds the parameters of the stages it runs, not the whole model's."""
     if strategy.pp == 1:
         return
-    for graph_input in dag.inputs:
-        holders = dag.parameter_holders.get(graph_input.name)
+    for graph_input in planned.inputs:
+        holders = planned.parameter_holders.get(graph_input.name)
         if graph_input.role in (InputRole.PARAM, InputRole.PARAM_SHARD) and holders \
                 and strategy.pp_index not in holders:
             release(example_inputs[graph_input.arg_index])
@@ -123,35 +153,33 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
 
     dump = DebugDump(strategy.debug_dir, strategy.rank)
     stats = CompileStats()
-    dag = plan(gm, example_inputs, strategy, dump, stats)
+    planned = planned_step(gm, example_inputs, strategy, dump, stats)
     # Replicated parameters and buffers the model was compiled with, without
     # `prepare`: start every replica from the first one's values, as DDP does.
-    replicated = [i.arg_index for i in dag.inputs if i.role in (InputRole.PARAM, InputRole.BUFFER)]
-    broadcast_from_first_replica([example_inputs[i] for i in replicated], dag.dp_group)
-    record_compiled_holdings(dag, example_inputs, strategy)
-    release_other_stages(dag, example_inputs, strategy)
-    program = dag.programs[strategy.rank]
+    replicated = [i.arg_index for i in planned.inputs if i.role in (InputRole.PARAM, InputRole.BUFFER)]
+    broadcast_from_first_replica([example_inputs[i] for i in replicated], planned.dp_group)
+    record_compiled_holdings(planned, example_inputs, strategy)
+    release_other_stages(planned, example_inputs, strategy)
+    program = planned.program
     dump.write("program.txt", program.render())
-    dump.write("schedule.txt", text_grid(dag.schedule))
-    dump.write("schedule.svg", svg(dag.schedule))
+    dump.write("schedule.txt", text_grid(planned.schedule))
+    dump.write("schedule.svg", svg(planned.schedule))
     compiled = compile_program(program, strategy.codegen, dump, stats, time_waits=strategy.profile)
     dump.write("compile_stats.txt", stats.render())
     record(stats)
 
-    randomness = step_randomness(dag, strategy)
+    randomness = step_randomness(planned.randomness, strategy)
     if randomness is not None:  # the model's dropout stream, which checkpoints save and restore
-        attach_stream([example_inputs[i.arg_index] for i in dag.inputs
+        attach_stream([example_inputs[i.arg_index] for i in planned.inputs
                        if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)], randomness)
-    seed = next((i for i in dag.inputs if i.role is InputRole.TANGENT), None)
-    seed_val = dag.placeholders()[seed.name].meta["val"] if seed is not None else None
+    seed_shape, seed_dtype, seed_device = planned.seed or (None, None, None)
     num_user_outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
     return CompiledStep(
-        ProgramExecutor(program, compiled, device), dag.inputs, dag.outputs,
-        seed_val.shape if seed_val is not None else None,
-        seed_val.dtype if seed_val is not None else None,
-        seed_val.device if seed_val is not None else None,
+        ProgramExecutor(program, compiled, device), planned.inputs, planned.outputs,
+        seed_shape, seed_dtype, seed_device,
         num_user_outputs,
-        {i.arg_index: tuple(example_inputs[i.arg_index].shape) for i in dag.inputs if i.role is InputRole.INPUT},
+        {i.arg_index: tuple(example_inputs[i.arg_index].shape) for i in planned.inputs
+         if i.role is InputRole.INPUT},
         dump,
         randomness=randomness,
     )

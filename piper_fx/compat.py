@@ -91,3 +91,24 @@ def resolve_process_group(group_name: str) -> dist.ProcessGroup:
 # shapes and stacks recorded, and reports by category rather than one running total).
 from torch._C._profiler import _EventType as ProfilerEventType  # noqa: F401,E402
 
+
+
+# The plan cache (`plan_cache`): where Inductor keeps its caches (TORCHINDUCTOR_CACHE_DIR or
+# its default), and FX's pickler of graphs with their fake values (Inductor's own, for graphs
+# it compiles in a subprocess); no public form of either.
+from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir  # noqa: F401,E402
+# A function's importable name (`torch.nn.functional.layer_norm`), as FX's code names it.
+from torch.fx.node import _get_qualified_name as qualified_name  # noqa: F401,E402
+
+
+def pickle_graphs(obj: object, kept_meta: frozenset[str]) -> bytes:
+    """`obj` pickled with every FX graph module in it, node metadata `kept_meta` alone (fake
+    values as their shapes, strides, dtypes and devices), and ops of any namespace."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+    return GraphPickler.dumps(obj, Options(ops_filter=None, node_metadata_key_filter=kept_meta.__contains__))
+
+
+def load_graphs(data: bytes, fake_mode: FakeTensorMode) -> object:
+    """What `pickle_graphs` pickled, fake values made in `fake_mode`."""
+    from torch.fx._graph_pickler import GraphPickler
+    return GraphPickler.loads(data, fake_mode)

@@ -37,13 +37,15 @@ _CACHE_COUNTERS = {"fxgraph_cache_hit": "cache_hit", "fxgraph_cache_miss": "comp
 
 @dataclass
 class CompileStats:
-    """Seconds per phase of one compile, in order: `capture`, `pass:<name>` per pass (with
-    verification, when on), `dumps` (writing them, when on), `codegen:<task>` per task;
-    `tasks`: how many tasks' code came each way (`compiled`, `cache_hit`, `cache_bypass`
-    under Inductor; `eager`)."""
+    """Seconds per phase of one compile, in order: `plan cache` (looking the plan up, and
+    storing it), `capture`, `pass:<name>` per pass (with verification, when on), `dumps`
+    (writing them, when on), `codegen:<task>` per task; `plan`: where the plan came from
+    (`planned`; `planned, cached`; `cache hit`: `plan_cache`); `tasks`: how many tasks'
+    code came each way (`compiled`, `cache_hit`, `cache_bypass` under Inductor; `eager`)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     tasks: Counter = field(default_factory=Counter)
+    plan: str = "planned"
     _lap_start: float = field(default_factory=time.perf_counter, repr=False)
 
     def _add(self, name: str, seconds: float) -> None:
@@ -92,14 +94,14 @@ class CompileStats:
 
     def as_dict(self) -> dict:
         return {"summary": self.summary(), "total_s": self.total_s, "by_kind": self.by_kind(),
-                "seconds": dict(self.seconds),
+                "seconds": dict(self.seconds), "plan": self.plan,
                 "tasks": {kind: count for kind, count in self.tasks.items() if count}}
 
     def summary(self) -> str:
         """One line: the total, each kind of phase, and how the tasks' code was obtained."""
         kinds = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in self.by_kind().items())
         tasks = ", ".join(f"{count} {kind.replace('_', ' ')}" for kind, count in sorted(self.tasks.items()) if count)
-        return f"compile {self.total_s:.2f} s ({kinds}); tasks: {tasks or 'none'}"
+        return f"compile {self.total_s:.2f} s ({kinds}); plan: {self.plan}; tasks: {tasks or 'none'}"
 
     def render(self) -> str:
         """The summary, then every phase, slowest first."""

@@ -40,6 +40,8 @@ class DebugDump:
         if debug_dir is not None:
             self.root = Path(debug_dir) / f"rank{rank}" / (graph or graph_dir_name())
             self.root.mkdir(parents=True, exist_ok=True)
+        # While not None, every file written is also kept here (the plan cache keeps planning's dumps).
+        self.recorded: dict[str, str] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -48,6 +50,8 @@ class DebugDump:
     def write(self, relative_path: str, text: str) -> None:
         if self.root is None:
             return
+        if self.recorded is not None:
+            self.recorded[relative_path] = text
         path = self.root / relative_path
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")

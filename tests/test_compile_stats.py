@@ -1,17 +1,23 @@
-"""Where a compile's time goes (`piper_fx.last_compile_stats()`, `compile_stats.txt`), and a
-second compile of an identical model served from Inductor's FX graph cache (counted, not timed)."""
+"""Where a compile's time goes (`piper_fx.last_compile_stats()`, `compile_stats.txt`), and
+later compiles of an identical model, in the same process and in a fresh one sharing the
+cache directory, served from the plan cache and Inductor's FX graph cache (counted, not
+timed), training alike."""
 from __future__ import annotations
 
 import multiprocessing
 import os
 
-from piper_fx.passes import PIPELINE
+from piper_fx.passes import PIPELINE, dump_path
+
+STEPS = 3
 
 
-def _compile_twice(cache_dir: str, debug_dir: str) -> list[dict]:
-    """In a fresh process with an empty Inductor cache: compile the example GPT, then an
-    identical one after `torch._dynamo.reset()`; the compile stats of each."""
+def _compile(runs: int, cache_dir: str, debug_dir: str, plan_cache: str = "1") -> list[dict]:
+    """In a fresh process: compile the example GPT and train it `STEPS` SGD steps, `runs`
+    times (`torch._dynamo.reset()` between them); per run its compile stats, its losses
+    and its final parameters."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    os.environ["PIPER_PLAN_CACHE"] = plan_cache
     import torch
 
     import piper_fx
@@ -19,32 +25,76 @@ def _compile_twice(cache_dir: str, debug_dir: str) -> list[dict]:
     from training import SMALL, global_batch
 
     cfg = GPTConfig(**SMALL)
-    stats = []
-    for run in range(2):
+    results = []
+    for run in range(runs):
         torch.manual_seed(0)
-        step = torch.compile(GPT(cfg), backend="piper",
+        model = GPT(cfg)
+        step = torch.compile(model, backend="piper",
                              options={"codegen": "inductor", "debug_dir": os.path.join(debug_dir, str(run))})
-        step(*global_batch(0, 4, cfg)).backward()
-        stats.append(piper_fx.last_compile_stats())
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for i in range(STEPS):
+            loss = step(*global_batch(i, 4, cfg))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if i == 0:
+                stats = piper_fx.last_compile_stats()
+        results.append({"stats": stats, "losses": losses,
+                        "params": {name: p.detach().clone() for name, p in model.named_parameters()}})
         torch._dynamo.reset()
-    return stats
+    return results
 
 
-def test_compile_stats_time_each_phase_and_a_second_compile_reuses_every_task(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:  # a fresh process, whose Inductor cache starts empty
-        cold, warm = pool.apply(_compile_twice, (str(tmp_path / "inductor"), str(tmp_path / "dumps")))
+def _in_fresh_process(*args) -> list[dict]:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_compile, args)
 
-    tasks = [name.removeprefix("codegen:") for name in cold["seconds"] if name.startswith("codegen:")]
+
+def _assert_same_training(run: dict, reference: dict) -> None:
+    assert run["losses"] == reference["losses"]
+    for name, value in reference["params"].items():
+        assert run["params"][name].equal(value), name
+
+
+def test_compile_stats_time_each_phase_and_later_compiles_reuse_the_plan_and_every_task(tmp_path):
+    cache, dumps = str(tmp_path / "inductor"), str(tmp_path / "dumps")
+    cold, again = _in_fresh_process(2, cache, dumps)  # the cache directory starts empty
+    (fresh,) = _in_fresh_process(1, cache, str(tmp_path / "fresh_dumps"))
+
+    tasks = [name.removeprefix("codegen:") for name in cold["stats"]["seconds"] if name.startswith("codegen:")]
     assert sorted(tasks) == ["B0", "F0"]
-    assert cold["tasks"] == {"compiled": 2}
-    assert warm["tasks"] == {"cache_hit": 2}
-    for stats in (cold, warm):
-        assert [name for name in stats["seconds"] if name.startswith("pass:")] == \
-            [f"pass:{p.name}" for p in PIPELINE]
-        assert {"capture", "passes", "codegen"} <= stats["by_kind"].keys()
+    assert cold["stats"]["tasks"] == {"compiled": 2}
+    assert cold["stats"]["plan"] == "planned, cached"
+    assert [name for name in cold["stats"]["seconds"] if name.startswith("pass:")] == \
+        [f"pass:{p.name}" for p in PIPELINE]
+    assert {"plan cache", "capture", "passes", "codegen"} <= cold["stats"]["by_kind"].keys()
+    # The same process after `torch._dynamo.reset()`, and a fresh one: neither plans nor compiles.
+    for warm in (again, fresh):
+        assert warm["stats"]["plan"] == "cache hit"
+        assert warm["stats"]["tasks"] == {"cache_hit": 2}
+        assert not any(name == "capture" or name.startswith("pass:") for name in warm["stats"]["seconds"])
+        _assert_same_training(warm, cold)
+    for run in (cold, again, fresh):
+        stats = run["stats"]
         assert abs(sum(stats["by_kind"].values()) - stats["total_s"]) < 1e-9
         assert all(seconds >= 0 for seconds in stats["seconds"].values())
-    dumped = next((tmp_path / "dumps" / "1").rglob("compile_stats.txt")).read_text()
-    assert dumped.splitlines()[0].endswith("tasks: 2 cache hit")
+    dumped = next((tmp_path / "dumps" / "0").rglob("compile_stats.txt")).read_text()
+    assert "plan: planned, cached; tasks: 2 compiled" in dumped.splitlines()[0]
     assert "pass:split_stages" in dumped
+    # A plan from the cache writes the dumps planning wrote: the joint graph and every pass's.
+    fresh_graph = next((tmp_path / "fresh_dumps" / "0").rglob("compile_stats.txt")).parent
+    cold_graph = next((tmp_path / "dumps" / "0").rglob("compile_stats.txt")).parent
+    assert fresh_graph.joinpath("compile_stats.txt").read_text().splitlines()[0].endswith(
+        "plan: cache hit; tasks: 2 cache hit")
+    for index, strategy_pass in enumerate(PIPELINE):
+        path = dump_path(index, strategy_pass.name)
+        assert fresh_graph.joinpath(path).read_text() == cold_graph.joinpath(path).read_text()
+
+
+def test_plan_cache_off_plans_every_compile(tmp_path):
+    first, second = _in_fresh_process(2, str(tmp_path / "inductor"), str(tmp_path / "dumps"), "0")
+    assert first["stats"]["plan"] == second["stats"]["plan"] == "planned"
+    assert not (tmp_path / "inductor" / "piper_plans").exists()
+    _assert_same_training(second, first)

@@ -178,12 +178,18 @@ def functionalize_random(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     return dag
 
 
-def step_randomness(dag: TrainingDAG, strategy: Strategy) -> StepRandomness | None:
-    """What the compiled step feeds the `InputRole.RNG` input, if the graph has one.
-    Draws the seed (collective over every rank: call it on all of them)."""
+def random_input(dag: TrainingDAG) -> tuple[torch.device, int] | None:
+    """The device of the graph's `InputRole.RNG` input and the samples in a microbatch, if it has one."""
     rng = next((i for i in dag.inputs if i.role is InputRole.RNG), None)
     if rng is None:
         return None
-    device = dag.placeholders()[rng.name].meta["val"].device
-    samples = samples_per_microbatch(dag)
+    return dag.placeholders()[rng.name].meta["val"].device, samples_per_microbatch(dag)
+
+
+def step_randomness(random: tuple[torch.device, int] | None, strategy: Strategy) -> StepRandomness | None:
+    """What the compiled step feeds the `InputRole.RNG` input (`random_input`), if the graph
+    has one. Draws the seed (collective over every rank: call it on all of them)."""
+    if random is None:
+        return None
+    device, samples = random
     return StepRandomness(draw_seed(device), samples, strategy.dp_index * samples * strategy.microbatches, device)

@@ -96,3 +96,11 @@ def expert_replica_group_name(strategy: Strategy) -> str | None:
     if strategy.ep == 1:
         return None
     return _group_name(strategy, "expert_dp", strategy.dp // strategy.ep)
+
+
+def group_names(strategy: Strategy) -> tuple[str | None, ...]:
+    """The names of every process group of `strategy` this rank is in (data-parallel,
+    pipeline, expert-parallel, expert-replica), building its mesh first if need be
+    (collectively: `dp_group_name`): what its collectives are planned with."""
+    return (dp_group_name(strategy), pp_group_name(strategy), ep_group_name(strategy),
+            expert_replica_group_name(strategy))

@@ -1,0 +1,121 @@
+"""First-step (compile) time of piper_fx against PyTorch compiled as torchtitan compiles it, each
+compile in fresh processes: cold (an empty Inductor cache directory) and warm (a later run
+sharing the directory, as a second run of a training job does).
+
+    python benchmarks/compile_time.py [--nproc 2] [--rounds 3] [--only zero=0 ...]
+
+Per pair and side: the cold first step once, and the warm first step `--rounds` times, each in
+new rank processes (the slowest rank's time, median and spread over rounds), with piper_fx's
+`compile_stats` of the last warm run (where the plan came from and how each task's code was
+obtained). The pairs and models are `compare.py`'s (the example GPT, 8 sequences per rank);
+the native side is the compiled one (DDP around a compiled model, FSDP2 with each block
+`.compile()`d, compiled pipeline stages). A measurement, not a test: nothing here asserts a time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch.multiprocessing as mp  # noqa: E402
+
+import compare  # noqa: E402  (also puts the repository on the path)
+
+PER_RANK = 8
+
+
+def _pairs(world: int) -> dict:
+    """name -> (piper_fx's maker, the native compiled maker, model config, data-parallel ranks)."""
+    pipeline_cfg = compare.GPTConfig(vocab_size=compare.CFG.vocab_size, block_size=compare.CFG.block_size,
+                                     n_layer=world, n_head=compare.CFG.n_head, n_embd=compare.CFG.n_embd,
+                                     tied_embeddings=False)
+    return {
+        "zero=0 vs DDP": (compare.piper({"zero": 0}), compare.ddp(True), compare.CFG, world),
+        "zero=3 vs FSDP2": (compare.piper({"zero": 3}), compare.fsdp2(True, True), compare.CFG, world),
+        "1f1b vs pipelining": (compare.piper_pipeline("1f1b", 2 * world, "inductor"),
+                               compare.pipelining("1f1b", 2 * world, True), pipeline_cfg, 1),
+    }
+
+
+def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str, side: int, results) -> None:
+    """One rank: build `pair`'s side, time its first step (barrier to barrier)."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    import torch
+    import torch.distributed as dist
+
+    import piper_fx
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    make, cfg, dp = _pairs(world)[pair][side], _pairs(world)[pair][2], _pairs(world)[pair][3]
+    torch.manual_seed(0)
+    model = compare.GPT(cfg)
+    step, params = make(model)
+    opt = torch.optim.AdamW(list(params), lr=1e-3, foreach=True)
+    x, y = compare.batch(0, PER_RANK * world)
+    x, y = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
+    dist.barrier()
+    start = time.perf_counter()
+    loss = step(x, y)
+    if loss.requires_grad:
+        loss.backward()
+    opt.step()
+    seconds = time.perf_counter() - start
+    everyone = [None] * world
+    dist.all_gather_object(everyone, seconds)
+    if rank == 0:
+        results.put((max(everyone), piper_fx.last_compile_stats().get("summary") if side == 0 else None))
+    dist.destroy_process_group()
+
+
+def _run(world: int, cache_dir: str, pair: str, side: int) -> tuple[float, str | None]:
+    """The first step of `pair`'s `side` (0: piper_fx, 1: native) in `world` new processes."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_first_step, args=(r, world, os.path.join(tmp, "rdv"), cache_dir, pair, side,
+                                                       results)) for r in range(world)]
+        for p in procs:
+            p.start()
+        result = compare._results_or_failure(results, procs)
+        for p in procs:
+            p.join()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="warm runs per side")
+    parser.add_argument("--only", nargs="*", help="run only the pairs whose name contains one of these words")
+    args = parser.parse_args()
+    print(f"{args.nproc} CPU ranks (gloo), first step (compile + one step) in new processes; cold: empty "
+          f"Inductor cache directory, warm: a later run sharing it (median of {args.rounds} (spread)); "
+          f"ratio = piper / native compiled")
+    print(f"{'pair':<20} {'cold s piper/native':>20} {'ratio':>5} {'warm s piper (spread)':>22} "
+          f"{'warm s native (spread)':>23} {'ratio':>5}  piper's last warm compile_stats")
+    with tempfile.TemporaryDirectory() as tmp:
+        for index, pair in enumerate(_pairs(args.nproc)):
+            if args.only and not any(word in pair for word in args.only):
+                continue
+            cold, warm, summary = [], [], None
+            for side in (0, 1):
+                cache_dir = os.path.join(tmp, f"pair{index}_side{side}")
+                cold.append(_run(args.nproc, cache_dir, pair, side)[0])
+                runs = [_run(args.nproc, cache_dir, pair, side) for _ in range(args.rounds)]
+                warm.append([seconds for seconds, _ in runs])
+                summary = summary or runs[-1][1]
+            medians = [statistics.median(w) for w in warm]
+            spreads = [(max(w) - min(w)) / statistics.median(w) for w in warm]
+            print(f"{pair:<20} {cold[0]:9.1f}/{cold[1]:<10.1f} {cold[0] / cold[1]:5.2f} "
+                  f"{medians[0]:14.2f} ({spreads[0]:3.0%}) {medians[1]:15.2f} ({spreads[1]:3.0%}) "
+                  f"{medians[0] / medians[1]:5.2f}  {summary}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
