@@ -10,8 +10,9 @@ included) under the Inductor cache directory (TORCHINDUCTOR_CACHE_DIR, shared by
 ranks, runs and processes), keyed by everything planning reads:
 
   - the Dynamo graph: each node's op, target, arguments, the metadata planning
-    reads (annotations: `custom`; module paths and classes: `nn_module_stack`)
-    and its example value's shape, stride, dtype and device;
+    reads (annotations: `custom`, piper_fx's regions by their order; module
+    paths and classes: `nn_module_stack`) and its example value's shape,
+    stride, dtype and device;
   - each example input: its kind (parameter, buffer, batch), shape, stride,
     dtype, device, whether it requires grad, its DTensor placements and mesh,
     and the layout `prepare` gave it (row shards, experts);
@@ -47,6 +48,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .compat import FakeTensorMode, ShapeEnv, inductor_cache_dir, load_graphs, pickle_graphs, qualified_name
+from .annotate import KINDS as REGION_KINDS
 from .ir import GraphInput, GraphOutput, InputRole, RankProgram, TrainingDAG
 from .options import Strategy
 from .passes.functionalize_random import random_input
@@ -181,6 +183,9 @@ def plan_key(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, group
 
 def _add_all(add, gm: fx.GraphModule, example_inputs: list, strategy: Strategy, groups: tuple) -> None:
     add(f"format {FORMAT} torch {torch.__version__} piper {_source_hash()}")
+    # piper_fx's region ids (`annotate`) count up over the process; planning reads only their
+    # order, so the key has each one's place among its kind's (0 for the graph's first region).
+    regions: dict[str, dict[Any, int]] = {kind: {} for kind in REGION_KINDS}
     for node in gm.graph.nodes:
         try:
             target = _target(node.target)
@@ -188,7 +193,9 @@ def _add_all(add, gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
             raise _Unstable(repr(node.target)) from error
         add(f"{node.op} {node.name} {target} {node.args!r} {node.kwargs!r}")
         if "custom" in node.meta:
-            add(f"custom={node.meta['custom']!r}")
+            custom = {key: regions[key].setdefault(value, len(regions[key])) if key in regions else value
+                      for key, value in node.meta["custom"].items()}
+            add(f"custom={custom!r}")
         if "nn_module_stack" in node.meta:  # keyed by the modules' ids: their paths and classes alone
             add(repr([(path, _class_name(cls)) for path, cls in node.meta["nn_module_stack"].values()]))
         add(_describe_value(node.meta.get("example_value")))

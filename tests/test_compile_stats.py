@@ -98,3 +98,27 @@ def test_plan_cache_off_plans_every_compile(tmp_path):
     assert first["stats"]["plan"] == second["stats"]["plan"] == "planned"
     assert not (tmp_path / "inductor" / "piper_plans").exists()
     _assert_same_training(second, first)
+
+
+def test_a_plan_from_the_cache_trains_as_planned_on_real_ranks(tmp_path):
+    """Two ranks over gloo, each config compiled twice from an empty cache directory: the second
+    compile loads the first one's plan, and both train alike, bit for bit, and like
+    single-process training. DualPipeV (fused overlapped pairs, V-shaped stages) and ZeRO-3
+    (row-sharded DTensor parameters, per-unit gathers)."""
+    from ranks import run_ranks
+    from training import plan_cache_worker
+
+    configs = [
+        {"options": {"mesh": {"pp": 2}, "pipeline": {"schedule": "dualpipev", "microbatches": 4}},
+         "n_layer": 4, "tied": False, "pp_regions": True, "per_rank_batch": 4},
+        {"options": {"zero": 3}},
+    ]
+    results = run_ranks(plan_cache_worker, 2, configs, str(tmp_path), deadline_s=400)
+    for rank, by_config in enumerate(results):
+        for config, (first, second) in zip(configs, by_config):
+            assert (first["plan"], second["plan"]) == ("planned, cached", "cache hit"), (rank, config)
+            assert second["loss_errors"] == first["loss_errors"], (rank, config)
+            assert max(first["loss_errors"]) < 1e-5 and max(first["param_errors"].values()) < 1e-4, (rank, config)
+            assert first["trained_values"].keys() == second["trained_values"].keys()
+            for name, value in first["trained_values"].items():
+                assert (second["trained_values"][name] == value).all(), (rank, config, name)

@@ -52,6 +52,9 @@ def _key(model=None, x=None, options=None, groups=GROUPS, grad: bool = True):
 def test_the_key_is_the_same_for_the_same_graph_inputs_and_strategy():
     first = _key()
     assert first is not None and _key() == first
+    # piper_fx's region ids count up over the process: the key has their order alone.
+    annotated = _key(model=Net(annotate=True))
+    assert annotated is not None and _key(model=Net(annotate=True)) == annotated
     # Options planning does not read: where dumps go, and timing.
     assert _key(options={"codegen": "eager", "debug_dir": "/somewhere", "profile": True}) == first
 

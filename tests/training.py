@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import torch
@@ -737,3 +738,28 @@ def recompiled_dtype_worker(rank: int, world: int) -> dict:
     x, y = global_batch(0, 4, cfg)
     step(x, y).backward()
     return outcome_of(*_call_timed(lambda: step(x, y.int()).backward()))
+
+
+def plan_cache_worker(rank: int, world: int, configs: list[dict], cache_dir: str) -> list[dict]:
+    """Per config: train it twice from the same start (`train_and_compare`, SGD), with a plan
+    cache (and Inductor cache) directory of its own that starts empty: the second compile finds
+    the first one's plan. Where each plan came from, and both runs' results."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    results = []
+    try:
+        for index, config in enumerate(configs):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir, str(index))
+            config = dict(config)
+            options = {"codegen": "eager", **config.pop("options")}
+            runs = []
+            for _ in range(2):
+                run = train_and_compare(rank, world, options, "sgd", **{"steps": 3, **config})
+                runs.append({"plan": piper_fx.last_compile_stats()["plan"], **run})
+                torch._dynamo.reset()
+            results.append(runs)
+    finally:  # the rank pool's process serves other tests after this one
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+    return results
