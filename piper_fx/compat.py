@@ -8,6 +8,7 @@ through 2.13 (the CPU venv's pin).
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -101,11 +102,13 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_
 from torch.fx.node import _get_qualified_name as qualified_name  # noqa: F401,E402
 
 
-def pickle_graphs(obj: object, kept_meta: frozenset[str]) -> bytes:
-    """`obj` pickled with every FX graph module in it, node metadata `kept_meta` alone (fake
-    values as their shapes, strides, dtypes and devices), and ops of any namespace."""
+def pickle_graphs(obj: object, kept_meta: Callable[[str], bool]) -> bytes:
+    """`obj` pickled with every FX graph module in it, the node metadata whose keys `kept_meta`
+    accepts alone (fake values as their shapes, strides, dtypes and devices), and ops of any
+    namespace; a node in a kept entry (such as the original a recomputation copies) as None."""
     from torch.fx._graph_pickler import GraphPickler, Options
-    return GraphPickler.dumps(obj, Options(ops_filter=None, node_metadata_key_filter=kept_meta.__contains__))
+    return GraphPickler.dumps(obj, Options(ops_filter=None, node_metadata_key_filter=kept_meta,
+                                           ignore_raw_node=True))
 
 
 def load_graphs(data: bytes, fake_mode: FakeTensorMode) -> object:

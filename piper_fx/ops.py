@@ -81,7 +81,8 @@ def is_heavy(node: fx.Node) -> bool:
     return node.target in MATMULS or is_attention(node)
 
 
-# ---- `node.meta` keys the passes set.
+# ---- `node.meta` keys the passes set, each starting with META_PREFIX.
+META_PREFIX = "piper_"
 # Ops that run once per step rather than per microbatch: `node.meta[PHASE]` is one of these.
 PHASE = "piper_phase"
 STEP_START, STEP_END = "step_start", "step_end"

@@ -47,9 +47,10 @@ import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .compat import FakeTensorMode, ShapeEnv, inductor_cache_dir, load_graphs, pickle_graphs, qualified_name
 from .annotate import KINDS as REGION_KINDS
+from .compat import FakeTensorMode, ShapeEnv, inductor_cache_dir, load_graphs, pickle_graphs, qualified_name
 from .ir import GraphInput, GraphOutput, InputRole, RankProgram, TrainingDAG
+from .ops import META_PREFIX
 from .options import Strategy
 from .passes.functionalize_random import random_input
 from .sharding.experts import EXPERT_ATTR
@@ -60,11 +61,16 @@ log = logging.getLogger(__name__)
 ENV = "PIPER_PLAN_CACHE"
 # Bumped when `Plan` changes shape; the source hash covers the rest of piper_fx.
 FORMAT = 1
-# Node metadata a plan keeps: what code generation (Inductor), the runtime's memory
-# estimates and the dumps read. Module stacks and node provenance are left out: they
-# hold the model's classes and the trace's objects.
+# Node metadata a plan keeps: piper_fx's own (`piper_*`: placements, collective notes,
+# recomputation marks, read by the runtime's memory estimates and the dumps) and what code
+# generation (Inductor) reads. Module stacks and node provenance are left out: they hold
+# the model's classes and the trace's objects.
 _KEPT_META = frozenset({"val", "tensor_meta", "stack_trace", "original_aten", "seq_nr", "partitioner_tag",
                         "autograd_backward", "is_gradient_acc", "desc", "custom"})
+
+
+def _kept(key: str) -> bool:
+    return key in _KEPT_META or key.startswith(META_PREFIX)
 
 
 @dataclass
@@ -231,15 +237,19 @@ def load(key: str) -> Plan | None:
 
 
 def store(key: str, plan: Plan) -> None:
-    """Keep `plan` under `key` (written whole or not at all; a plan that cannot be pickled is not kept)."""
+    """Keep `plan` under `key`, written whole or not at all (a plan that cannot be pickled, or
+    a directory that cannot be written, is not kept: planning again is slower, not wrong)."""
     try:
-        data = zlib.compress(pickle_graphs(plan, _KEPT_META), 1)
+        data = zlib.compress(pickle_graphs(plan, _kept), 1)
     except Exception as error:  # noqa: BLE001 - caching is an optimization: the compile goes on
         log.warning("piper_fx: the plan is not cached (%s: %s)", type(error).__name__, error)
         return
     path = _path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with io.open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with io.open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as error:  # a full or read-only disk: the compile goes on
+        log.warning("piper_fx: the plan is not cached (%s)", error)
