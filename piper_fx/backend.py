@@ -34,6 +34,7 @@ from .sharding.mesh import dp_group_name, group_names, pp_group_name
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.specs import placement_table
 from .sharding.units import find_units
+from .verify import verification_enabled
 
 
 def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: DebugDump | None = None,
@@ -95,7 +96,7 @@ def planned_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, d
     dump.recorded = None
     if key is not None:
         with stats.phase("plan cache"):
-            plan_cache.store(key, planned)
+            plan_cache.store(key, planned, strict=verification_enabled(strategy))
         stats.plan = "planned, cached"
     return planned
 

@@ -236,12 +236,16 @@ def load(key: str) -> Plan | None:
     return plan if isinstance(plan, Plan) else None
 
 
-def store(key: str, plan: Plan) -> None:
-    """Keep `plan` under `key`, written whole or not at all (a plan that cannot be pickled, or
-    a directory that cannot be written, is not kept: planning again is slower, not wrong)."""
+def store(key: str, plan: Plan, strict: bool = False) -> None:
+    """Keep `plan` under `key`, written whole or not at all. A plan that cannot be pickled,
+    or a directory that cannot be written, is not kept (planning again is slower, not
+    wrong), with a warning; with `strict` (in verified runs: the tests), a plan that cannot
+    be pickled raises."""
     try:
         data = zlib.compress(pickle_graphs(plan, _kept), 1)
-    except Exception as error:  # noqa: BLE001 - caching is an optimization: the compile goes on
+    except Exception as error:
+        if strict:
+            raise
         log.warning("piper_fx: the plan is not cached (%s: %s)", type(error).__name__, error)
         return
     path = _path(key)
