@@ -7,6 +7,7 @@ through 2.13 (the CPU venv's pin).
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Callable
 
@@ -106,12 +107,34 @@ def pickle_graphs(obj: object, kept_meta: Callable[[str], bool]) -> bytes:
     """`obj` pickled with every FX graph module in it, the node metadata whose keys `kept_meta`
     accepts alone (fake values as their shapes, strides, dtypes and devices), and ops of any
     namespace; a node in a kept entry (such as the original a recomputation copies) as None."""
-    from torch.fx._graph_pickler import GraphPickler, Options
-    return GraphPickler.dumps(obj, Options(ops_filter=None, node_metadata_key_filter=kept_meta,
-                                           ignore_raw_node=True))
+    from torch.fx._graph_pickler import Options
+    return _graph_pickler().dumps(obj, Options(ops_filter=None, node_metadata_key_filter=kept_meta,
+                                               ignore_raw_node=True))
+
+
+@functools.cache
+def _graph_pickler() -> type:
+    """FX's `GraphPickler`, but a fake view's base described without its fake mode, as the
+    view itself is: torch 2.13 drops the mode of the view alone, and the base's (which the
+    unpickler sets again) drags the whole fake mode into the pickle, which fails."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx._graph_pickler import GraphPickler, _TensorPickleData
+
+    class PlanPickler(GraphPickler):
+        def reducer_override(self, obj):
+            if not isinstance(obj, FakeTensor):
+                return super().reducer_override(obj)
+            unpickle, (data, state) = _TensorPickleData.reduce_helper(self, obj)
+            base = data.metadata.base
+            if base is not None and base.fake_mode is not None:
+                data.metadata = dataclasses.replace(data.metadata, base=dataclasses.replace(base, fake_mode=None))
+            return unpickle, (data, state)
+
+    return PlanPickler
 
 
 def load_graphs(data: bytes, fake_mode: FakeTensorMode) -> object:
     """What `pickle_graphs` pickled, fake values made in `fake_mode`."""
-    from torch.fx._graph_pickler import GraphPickler
-    return GraphPickler.loads(data, fake_mode)
+    return _graph_pickler().loads(data, fake_mode)
