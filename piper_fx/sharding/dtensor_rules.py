@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -86,7 +86,15 @@ def _holds_as(node: fx.Node, placement: Placement) -> bool:
     return False
 
 
-# DTensor's answers (or its exception), by every argument: DTensor's own cache keys only
+class _Refused(NamedTuple):
+    """DTensor's propagator raised on an op: what it said, without the exception itself,
+    whose traceback holds every frame of the planning that asked (the joint graph, its
+    fake values), which a cached answer would keep alive for the life of the process."""
+    no_rule: bool  # it has no rule for the op (NotImplementedError)
+    reason: str  # the exception's type and first line
+
+
+# DTensor's answers (or its refusal), by every argument: DTensor's own cache keys only
 # the non-tensor arguments an op's schema info names.
 _ANSWERS: dict[Any, Any] = {}
 
@@ -123,18 +131,18 @@ def _ask_dtensor(mesh: DeviceMesh, node: fx.Node, placed: dict[fx.Node, Placemen
                 result = propagator.propagate_op_sharding_non_cached(schema)
             answer = result.output_spec, result.redistribute_schema
         except Exception as e:  # noqa: BLE001 - DTensor's reason, whatever it is, goes into the error
-            answer = e
+            first_line = (str(e).strip().splitlines() or [""])[0][:200]
+            answer = _Refused(isinstance(e, NotImplementedError), f"{type(e).__name__}: {first_line}")
         if key is not None:
             if len(_ANSWERS) > 100_000:
                 _ANSWERS.clear()
             _ANSWERS[key] = answer
     else:
         answer = _ANSWERS[key]
-    if isinstance(answer, NotImplementedError):
-        raise NoRule("DTensor's sharding propagator has no rule for this op")
-    if isinstance(answer, Exception):
-        first_line = (str(answer).strip().splitlines() or [""])[0][:200]
-        raise DTensorFailed(f"DTensor's sharding propagator failed on it ({type(answer).__name__}: {first_line})")
+    if isinstance(answer, _Refused):
+        if answer.no_rule:
+            raise NoRule("DTensor's sharding propagator has no rule for this op")
+        raise DTensorFailed(f"DTensor's sharding propagator failed on it ({answer.reason})")
     output_spec, redistribute = answer
     if ranks is not None and not _fits(output_spec, node.meta.get("val"), ranks):
         raise DTensorFailed(f"DTensor's placement {format_spec(_from_output_spec(output_spec))} of the "
