@@ -83,13 +83,14 @@ class Task:
     """A compute chunk: runs `graph` on the values named `inputs`, producing `outputs`.
 
     One task serves every microbatch: the program runs it once per microbatch
-    (`Run(task, m)`), so identical work compiles once.
+    (`Run(task, m)`), so identical work compiles once. In the program the runtime
+    runs, `graph` is None: once compiled, a task is its code (`RankProgram.without_graphs`).
     """
 
     name: str
     kind: TaskKind
     stage: int
-    graph: fx.GraphModule
+    graph: fx.GraphModule | None
     inputs: list[str]
     outputs: list[str]
     lane: str = "compute"
@@ -238,6 +239,14 @@ class RankProgram:
         if isinstance(instruction, Recv):
             return [self.key(instruction.value, instruction.microbatch)]
         return []
+
+    def without_graphs(self) -> "RankProgram":
+        """This program with tasks that keep no graph: what the runtime holds once every
+        task is compiled and what it reads of their graphs is read (see `ProgramExecutor`).
+        A graph's nodes carry the fake value of every intermediate of a stage, which
+        would otherwise live as long as the compiled step."""
+        tasks = {name: replace(task, graph=None) for name, task in self.tasks.items()}
+        return replace(self, tasks=tasks)
 
     def frees_after(self) -> list[list[tuple[str, int | None]]]:
         """Per instruction, the values freed once it has run: each value after the last

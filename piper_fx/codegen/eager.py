@@ -16,6 +16,8 @@ def compile_task(task: Task, time_waits: bool = False):
     # Boxed: the generated code clears the argument list, and FX code drops each
     # local after its last use, so values die inside the task, not at its end.
     gm.graph.set_codegen(_BoxedCodeGen())
+    for node in gm.graph.nodes:
+        node.meta = {}  # the code runs without it; its fake values would live as long as the step
     if time_waits:
         for node in gm.graph.nodes:
             if node.op != "call_function":

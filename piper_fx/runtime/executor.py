@@ -318,13 +318,32 @@ class StepRun:
         return self.timeline.chrome_trace()
 
 
+def _compiled_tensors(program: RankProgram) -> dict[str, tuple[torch.dtype, torch.device]]:
+    """The dtype and device each value read by the program's tasks was compiled for, from the
+    (fake) tensors their placeholders were traced with: the model's device as the example
+    inputs had it, whatever it is."""
+    compiled: dict[str, tuple[torch.dtype, torch.device]] = {}
+    for task in program.tasks.values():
+        placeholders = task.graph.graph.find_nodes(op="placeholder")
+        for name, node in zip(task.inputs, placeholders):  # a task is called with its inputs in this order
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                compiled.setdefault(name, (val.dtype, val.device))
+    return compiled
+
+
 class ProgramExecutor:
-    """Runs one rank's program; each value is dropped after the last instruction that reads it."""
+    """Runs one rank's program; each value is dropped after the last instruction that reads it.
+
+    What it needs of the tasks' graphs (the bytes each collective moves, each task's memory
+    peak, the dtype and device each value was compiled for) it reads when it is made; it then
+    keeps the program without them (`RankProgram.without_graphs`): the compiled tasks run."""
 
     def __init__(self, program: RankProgram, compiled: dict[str, Callable[[list], Sequence[torch.Tensor]]],
                  device: torch.device | None = None):
         self.program = program
         self.compiled = compiled
+        self.compiled_tensors = _compiled_tensors(program)
         self.device = device  # where the rank computes (the model's device): its clock times the steps
         self.comm_bytes = program.communication_bytes()  # fixed by the program: counted once
         self.part_of: dict[str, str | None] = {name: "gradients" for name in program.accumulated | set(program.outputs)}
@@ -336,6 +355,7 @@ class ProgramExecutor:
             index: program.reads(instruction) for index, instruction in enumerate(program.instructions)
             if isinstance(instruction, Run)}
         self.task_peaks = self._task_peaks()
+        self.program = program.without_graphs()
 
     def _task_peaks(self) -> dict[int, tuple[TaskPeak, list[Key]]]:
         """Per run instruction: its task's peak (`task_peak`) and the values it has freed by then.

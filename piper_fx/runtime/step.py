@@ -24,7 +24,7 @@ import torch
 
 from ..debug import DebugDump
 from ..errors import PiperError
-from ..ir import GraphInput, GraphOutput, InputRole, OutputRole, RankProgram
+from ..ir import GraphInput, GraphOutput, InputRole, OutputRole
 from ..philox import StepRandomness
 from ..sharding.dtensor_params import parameter_grad, program_tensor
 from . import failures
@@ -77,20 +77,6 @@ def last_step_trace() -> dict:
     return _latest_run.trace() if _latest_run is not None else {"traceEvents": []}
 
 
-def _compiled_tensors(program: RankProgram) -> dict[str, tuple[torch.dtype, torch.device]]:
-    """The dtype and device each value read by the program's tasks was compiled
-    for, from the (fake) tensors their placeholders were traced with: the
-    model's device as the example inputs had it, whatever it is."""
-    compiled: dict[str, tuple[torch.dtype, torch.device]] = {}
-    for task in program.tasks.values():
-        placeholders = task.graph.graph.find_nodes(op="placeholder")
-        for name, node in zip(task.inputs, placeholders):  # a task is called with its inputs in this order
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                compiled.setdefault(name, (val.dtype, val.device))
-    return compiled
-
-
 class CompiledStep:
     def __init__(self, executor: ProgramExecutor, inputs: Sequence[GraphInput], outputs: Sequence[GraphOutput],
                  seed_shape: torch.Size | None, seed_dtype: torch.dtype | None, seed_device: torch.device | None,
@@ -115,7 +101,7 @@ class CompiledStep:
             record_optimizer_state()  # for the optimizer state part of the step's memory stats
         self.microbatches = executor.program.num_microbatches
         # Per batch argument that this rank's program reads: the (dtype, device) it was compiled for.
-        tensors = _compiled_tensors(executor.program)
+        tensors = executor.compiled_tensors
         self.batch_tensors = {i.arg_index: tensors[i.name] for i in self.inputs
                               if i.role is InputRole.INPUT and i.name in tensors}
 
