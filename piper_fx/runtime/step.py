@@ -129,13 +129,14 @@ class CompiledStep:
                                  f"was compiled for {shape}: piper_fx compiles fixed batch shapes (compile "
                                  "again, e.g. a new torch.compile, for another shape)")
 
-    def _held(self, args: Sequence[torch.Tensor]) -> dict[str, int]:
+    def _held(self, args: Sequence[torch.Tensor], values: dict) -> dict[str, int]:
         """The memory parts held throughout a step: the storage of the parameters and
         buffers (none for those of pipeline stages this rank does not run, released when
-        the step was compiled), their optimizer state, and their gradients from before."""
-        parameters = [args[i.arg_index] for i in self.inputs
-                      if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)]
-        return {"parameters": storage_bytes(program_tensor(p) for p in parameters),
+        the step was compiled) as the program reads them (`values`), their optimizer
+        state, and their gradients from before."""
+        inputs = [i for i in self.inputs if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)]
+        parameters = [args[i.arg_index] for i in inputs]
+        return {"parameters": storage_bytes(values[(i.name, None)] for i in inputs),
                 "optimizer_state": optimizer_state_bytes(parameters),
                 "gradients": storage_bytes(p.grad for p in parameters)}
 
@@ -150,7 +151,6 @@ class CompiledStep:
             failures.raise_failure(error, self.executor.program.rank, call, "before running its step",
                                    started=False)
         values: dict = {}
-        held = self._held(args) if self.training else {}
         for graph_input in self.inputs:
             if graph_input.role is InputRole.TANGENT:
                 seed = torch.full(self.seed_shape, 1.0 / self.microbatches, dtype=self.seed_dtype,
@@ -164,6 +164,7 @@ class CompiledStep:
                 values.update({(graph_input.name, m): words for m, words in enumerate(rng)})
             else:  # a parameter (a DTensor's padded local rows) or a buffer
                 values[(graph_input.name, None)] = program_tensor(args[graph_input.arg_index])
+        held = self._held(args, values) if self.training else {}
         results, self.last_run = self.executor.run(values, call, held)
         _latest_run = self.last_run
         self.steps_run += 1
@@ -210,7 +211,8 @@ class _StepFunction(torch.autograd.Function):
         if grads is None:
             raise RuntimeError("piper_fx: backward through the same compiled step twice; "
                                "the step's gradients were already delivered")
-        # Scaled in place: the program's gradients are the runtime's own, and a copy of
-        # every one would be held beside it.
-        return (None, *(parameter_grad(arg, grads[i].mul_(loss_seed)) if i in grads else None
-                        for i, arg in enumerate(args)))
+        # Scaled in place, in one foreach op: the program's gradients are the runtime's own,
+        # and a copy of every one would be held beside it.
+        if grads:
+            torch._foreach_mul_(list(grads.values()), loss_seed)
+        return (None, *(parameter_grad(arg, grads[i]) if i in grads else None for i, arg in enumerate(args)))
