@@ -31,6 +31,9 @@ def test_on_a_device_with_streams_steps_are_timed_by_events_read_only_when_asked
         _check_times(run["stats"])
         spans = [e for e in run["trace"]["traceEvents"] if e["ph"] == "X"]
         assert {e["cat"] for e in spans} >= {"compute", "comm wait"} and all(e["dur"] >= 0 for e in spans)
+        # Issuing the sends and receives is communication (gloo writes the bytes then), not the runtime's.
+        assert run["stats"]["comm_wait_s_by_kind"]["p2p issue"] > 0, run["stats"]
+        assert any(e["cat"] == "comm wait" and e["name"].startswith("issue ") for e in spans)
 
 
 def test_choosing_a_clock_by_device(monkeypatch):

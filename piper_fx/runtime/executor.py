@@ -76,24 +76,28 @@ class _HeldBytes:
 
     def hold(self, tensor: torch.Tensor, part: str) -> None:
         """Count `tensor` in `part`, unless its storage is counted already or is the step's input."""
-        storage = storage_key(tensor)
+        untyped = tensor.untyped_storage()
+        storage = untyped._cdata  # `storage_key`
         if storage in self.input_storages:
             return
-        entry = self.live.setdefault(storage, [tensor.untyped_storage().nbytes(), 0, part])
+        entry = self.live.get(storage)
+        if entry is None:
+            entry = self.live[storage] = [untyped.nbytes(), 0, part]
         if entry[1] == 0:
             self.parts[entry[2]] += entry[0]
             self.total += entry[0]
         entry[1] += 1
 
     def release(self, tensor: torch.Tensor) -> None:
-        entry = self.live.get(storage_key(tensor))
+        storage = storage_key(tensor)
+        entry = self.live.get(storage)
         if entry is None:
             return
         entry[1] -= 1
         if entry[1] == 0:
             self.parts[entry[2]] -= entry[0]
             self.total -= entry[0]
-            del self.live[storage_key(tensor)]
+            del self.live[storage]
 
     def observe(self) -> None:
         """Note what is held now."""
@@ -214,27 +218,35 @@ class _P2PBatch:
     together as one `dist.batch_isend_irecv`: under NCCL one group, in which a send and a
     receive between the same two ranks cannot wait for each other (issued one by one on the
     pair's stream, each side's send would wait for a receive queued behind the other's send).
-    Backends without coalescing (gloo) issue them one by one, in the same order."""
+    Backends without coalescing (gloo) issue them one by one, in the same order.
 
-    def __init__(self):
-        self.ops: list[dist.P2POp] = []
+    Issuing is communication time on the `timeline` (kind "p2p issue"), not the runtime's
+    own: gloo writes a message's bytes to its transport in the issuing thread (0.15-0.2 ms
+    per 128 KB activation on this project's 2-core machine, most of what a pipeline step
+    spends outside tasks and waits); under NCCL it is a kernel launch."""
+
+    def __init__(self, timeline: StepTimeline):
+        self.timeline = timeline
+        self.ops: list[tuple] = []  # each message's `dist.P2POp` arguments (op, tensor, peer, tag)
         self.sends: list[tuple[int, torch.Tensor]] = []  # (place in the batch, tensor sent)
         self.receives: list[tuple[int, _Receiving]] = []
         self.issued = 0  # batches issued this step
 
     def send(self, wire: torch.Tensor, instruction: Send) -> None:
         self.sends.append((len(self.ops), wire))
-        self.ops.append(dist.P2POp(dist.isend, wire, instruction.peer, tag=instruction.tag))
+        self.ops.append((dist.isend, wire, instruction.peer, instruction.tag))
 
     def receive(self, posted: _Receiving) -> None:
         self.receives.append((len(self.ops), posted))
-        self.ops.append(dist.P2POp(dist.irecv, posted.received, posted.instruction.peer, tag=posted.instruction.tag))
+        self.ops.append((dist.irecv, posted.received, posted.instruction.peer, posted.instruction.tag))
 
     def issue(self) -> list[_Sending]:
         """Issue the batch, if any; returns its sends."""
         if not self.ops:
             return []
-        issued = _Issued(dist.batch_isend_irecv(self.ops), len(self.ops))
+        with self.timeline.span(f"issue {len(self.ops)} p2p", COMM_WAIT, "p2p issue"):
+            ops = [dist.P2POp(op, tensor, peer, tag=tag) for op, tensor, peer, tag in self.ops]
+            issued = _Issued(dist.batch_isend_irecv(ops), len(ops))
         for message, posted in self.receives:
             posted.issued = (issued, message)
         sends = [_Sending(issued, message, wire) for message, wire in self.sends]
@@ -350,10 +362,16 @@ class ProgramExecutor:
         self.part_of.update(dict.fromkeys(program.inputs))
         # Each value dropped after its last reader: the schedule the program-level verifier checks.
         self.drop_after: list[list[Key]] = program.frees_after()
-        # Per run instruction: the values its task is called with, in order.
+        # Per instruction: the values it reads (a run's: its task's arguments, in order), and per
+        # run the values its task's outputs are stored as, each with whether it is summed into.
+        self.reads: list[list[Key]] = [program.reads(instruction) for instruction in program.instructions]
         self.arguments: dict[int, list[Key]] = {
-            index: program.reads(instruction) for index, instruction in enumerate(program.instructions)
+            index: self.reads[index] for index, instruction in enumerate(program.instructions)
             if isinstance(instruction, Run)}
+        self.results: dict[int, list[tuple[Key, bool]]] = {
+            index: [(program.key(name, run.microbatch), name in program.accumulated)
+                    for run in instruction.runs for name in program.tasks[run.task].outputs]
+            for index, instruction in enumerate(program.instructions) if isinstance(instruction, Run)}
         self.task_peaks = self._task_peaks()
         self.program = program.without_graphs()
 
@@ -392,7 +410,7 @@ class ProgramExecutor:
         """
         timeline = StepTimeline(self.program.rank, clock_for(self.device))
         position = _Position()
-        batch = _P2PBatch()
+        batch = _P2PBatch(timeline)
         try:
             with recording(timeline):
                 results, memory = self._run(values, timeline, position, held or {}, batch)
@@ -433,14 +451,18 @@ class ProgramExecutor:
                 pending_sends.extend(batch.issue())
             position.instruction = instruction
             if not isinstance(instruction, Recv):
-                for key in program.reads(instruction):
-                    arrive(key)
-                    values.sums.discard(key)  # read (sent, or passed to a task): a later sum is a new tensor
+                reads = self.reads[index]
+                if receiving:
+                    for key in reads:
+                        if key in receiving:
+                            arrive(key)
+                if values.sums:  # read (sent, or passed to a task): a later sum is a new tensor
+                    values.sums.difference_update(reads)
             if isinstance(instruction, Run):
                 peak, released = self.task_peaks[index]
                 memory.observe_task(peak, [values.get(key) for key in released])
                 with timeline.span(instruction.label, COMPUTE):
-                    self._run_task(instruction, values, index)
+                    self._run_task(instruction, values, index)  # drops what it last reads
             elif isinstance(instruction, Send):
                 tensor = values[program.key(instruction.value, instruction.microbatch)]
                 wire = _wire(tensor, instruction)
@@ -456,8 +478,9 @@ class ProgramExecutor:
                 memory.observe()
             if pending_sends:
                 pending_sends = _in_flight(pending_sends, memory)
-            for key in self.drop_after[index]:
-                values.pop(key, None)
+            if not isinstance(instruction, Run):
+                for key in self.drop_after[index]:
+                    values.pop(key, None)
         pending_sends.extend(batch.issue())
         for key in list(receiving):
             arrive(key)
@@ -468,21 +491,22 @@ class ProgramExecutor:
         return {name: values[(name, None)] for name in program.outputs if (name, None) in values}, memory
 
     def _run_task(self, instruction: Run, values: dict[Key, torch.Tensor], index: int) -> None:
-        program = self.program
         args = [values[key] for key in self.arguments[index]]
         # Drop our references first, so the boxed task frees each input at its last use.
         for key in self.drop_after[index]:
             values.pop(key, None)
-        with contextlib.ExitStack() as stack:
-            for context in _TASK_CONTEXTS.get():
-                stack.enter_context(context)
+        contexts = _TASK_CONTEXTS.get()
+        if contexts:
+            with contextlib.ExitStack() as stack:
+                for context in contexts:
+                    stack.enter_context(context)
+                results = self.compiled[instruction.task](args)
+        else:
             results = self.compiled[instruction.task](args)
         del args
-        results = iter(results)
-        for run in instruction.runs:  # a fused pair returns its first half's outputs, then its second's
-            for name in program.tasks[run.task].outputs:
-                value = next(results)
-                if name in program.accumulated:
-                    values.accumulate((name, None), value)
-                else:
-                    values[program.key(name, run.microbatch)] = value
+        # A fused pair returns its first half's outputs, then its second's.
+        for (key, summed), value in zip(self.results[index], results, strict=True):
+            if summed:
+                values.accumulate(key, value)
+            else:
+                values[key] = value

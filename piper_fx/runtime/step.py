@@ -44,12 +44,13 @@ def last_step_stats() -> dict:
 
     - `step_s`: wall time of the program; `compute_s`: time in tasks, less the
       collective waits inside them; `comm_wait_s`: time blocked on
-      communication (receives, collectives' waits, sends at the end), i.e. the
-      exposed communication, and `exposed_comm_fraction` = comm_wait_s / step_s;
+      communication (receives, collectives' waits, sends at the end, and
+      issuing sends and receives, which under gloo writes their bytes), i.e.
+      the exposed communication, and `exposed_comm_fraction` = comm_wait_s / step_s;
       `comm_wait_s_by_kind` splits comm_wait_s by what was waited for
-      (`all_to_all`, `all_gather`, ..., `recv`, `send`).
+      (`all_to_all`, `all_gather`, ..., `recv`, `send`, `p2p issue`).
       `runtime_s` = step_s - compute_s - comm_wait_s, the runtime's own work
-      (its instruction loop, freeing values, issuing sends), and
+      (its instruction loop, freeing values, memory accounting), and
       `runtime_fraction` = runtime_s / step_s.
       Waits inside tasks are timed only with the option `profile`; without
       it they count as compute;

@@ -3,7 +3,8 @@
 The executor records a `StepTimeline` of spans while it runs a program: each
 task run on the "compute" lane, and every time the rank blocks on a transfer
 on the "comm wait" lane: a receive's arrival, the sends still in flight at the
-end, and the waits of collectives inside compiled tasks. Time blocked waiting
+end, issuing sends and receives (under gloo the issuing thread writes their
+bytes), and the waits of collectives inside compiled tasks. Time blocked waiting
 is the exposed communication: what overlapping failed to hide. Compute is the
 tasks' time minus the waits inside them. The "comm" lane shows each
 collective of a task in flight, from its issue to the end of its wait, so
@@ -150,8 +151,8 @@ class StepTimeline:
         for s in waits:
             by_kind[s.kind or "other"] = by_kind.get(s.kind or "other", 0.0) + (s.end_ns - s.start_ns) / 1e9
         step = self.end_ns - self.start_ns
-        # What is neither in a task nor waiting: the runtime's own work (its instruction loop,
-        # freeing values, issuing sends, these stats).
+        # What is neither in a task nor communicating: the runtime's own work (its instruction
+        # loop, freeing values, memory accounting).
         runtime = max(0, step - (tasks - waits_in_tasks) - waited)
         return {"step_s": step / 1e9, "compute_s": (tasks - waits_in_tasks) / 1e9, "comm_wait_s": waited / 1e9,
                 "exposed_comm_fraction": waited / step if step else 0.0, "comm_wait_s_by_kind": by_kind,
