@@ -79,9 +79,10 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _peak_rss_mb() -> float:
+def _peak_rss_mb(field: str = "VmHWM") -> float:
+    """This process's peak RSS in MB (`VmRSS`: the RSS now)."""
     with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmHWM"))
+        line = next(line for line in f if line.startswith(field))
     return int(line.split()[1]) / 1024
 
 

@@ -7,7 +7,10 @@ sharing the directory, as a second run of a training job does).
 Per pair and side: the cold first step once, and the warm first step `--rounds` times, each in
 new rank processes (the slowest rank's time, median and spread over rounds), with piper_fx's
 `compile_stats` of the last warm run (where the plan came from and how each task's code was
-obtained). The pairs and models are `compare.py`'s (the example GPT, 8 sequences per rank);
+obtained). Beside them, each side's RSS, the largest rank's: its peak over the compile and
+`STEPS` steps, and in brackets what it still held after them (median over the warm runs):
+memory measured in processes of its own, so neither side's count holds the other's (in
+`compare.py` both sides share each process). The pairs and models are `compare.py`'s (the example GPT, 8 sequences per rank);
 the native side is the compiled one (DDP around a compiled model, FSDP2 with each block
 `.compile()`d, compiled pipeline stages). A measurement, not a test: nothing here asserts a time.
 """
@@ -28,6 +31,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import compare  # noqa: E402  (also puts the repository on the path)
 
 PER_RANK = 8
+STEPS = 5  # steps after the first, within the peak RSS
 
 
 def _pairs(world: int) -> dict:
@@ -44,7 +48,8 @@ def _pairs(world: int) -> dict:
 
 
 def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str, side: int, results) -> None:
-    """One rank: build `pair`'s side, time its first step (barrier to barrier)."""
+    """One rank: build `pair`'s side, time its first step (barrier to barrier), take `STEPS`
+    more, and report with its peak RSS."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     import torch
     import torch.distributed as dist
@@ -52,7 +57,8 @@ def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str
     import piper_fx
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    make, cfg, dp = _pairs(world)[pair][side], _pairs(world)[pair][2], _pairs(world)[pair][3]
+    entry = _pairs(world)[pair]
+    make, cfg, dp = entry[side], entry[2], entry[3]
     torch.manual_seed(0)
     model = compare.GPT(cfg)
     step, params = make(model)
@@ -66,15 +72,26 @@ def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str
         loss.backward()
     opt.step()
     seconds = time.perf_counter() - start
+    opt.zero_grad()
+    for i in range(1, STEPS + 1):
+        x, y = compare.batch(i, PER_RANK * world)
+        loss = step(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
+        if loss.requires_grad:
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
     everyone = [None] * world
-    dist.all_gather_object(everyone, seconds)
+    dist.all_gather_object(everyone, (seconds, compare._peak_rss_mb(), compare._peak_rss_mb("VmRSS")))
     if rank == 0:
-        results.put((max(everyone), piper_fx.last_compile_stats().get("summary") if side == 0 else None))
+        results.put((max(s for s, _, _ in everyone), (max(p for _, p, _ in everyone), max(h for _, _, h in everyone)),
+                     piper_fx.last_compile_stats().get("summary") if side == 0 else None))
     dist.destroy_process_group()
 
 
-def _run(world: int, cache_dir: str, pair: str, side: int) -> tuple[float, str | None]:
-    """The first step of `pair`'s `side` (0: piper_fx, 1: native) in `world` new processes."""
+def _run(world: int, cache_dir: str, pair: str, side: int) -> tuple[float, tuple[float, float], str | None]:
+    """The first step of `pair`'s `side` (0: piper_fx, 1: native) in `world` new processes:
+    its time, the largest rank's RSS in MB (peak, held after the steps), and piper_fx's
+    compile summary."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,6 +105,13 @@ def _run(world: int, cache_dir: str, pair: str, side: int) -> tuple[float, str |
     return result
 
 
+def _rss(sides: list[tuple[float, float]]) -> str:
+    """Peak (held) RSS of piper_fx / native, and their ratios."""
+    (peak, held), (native_peak, native_held) = sides
+    return (f"{peak:5.0f} ({held:3.0f}) / {native_peak:5.0f} ({native_held:3.0f}) "
+            f"{peak / native_peak:5.2f} ({held / native_held:4.2f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
@@ -96,25 +120,30 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{args.nproc} CPU ranks (gloo), first step (compile + one step) in new processes; cold: empty "
           f"Inductor cache directory, warm: a later run sharing it (median of {args.rounds} (spread)); "
-          f"ratio = piper / native compiled")
+          f"RSS: the largest rank's peak over the compile and {STEPS + 1} steps (and held after them); ratio = "
+          f"piper / native compiled")
     print(f"{'pair':<20} {'cold s piper/native':>20} {'ratio':>5} {'warm s piper (spread)':>22} "
-          f"{'warm s native (spread)':>23} {'ratio':>5}  piper's last warm compile_stats")
+          f"{'warm s native (spread)':>23} {'ratio':>5} {'cold RSS MB peak (held)':>27} {'ratio':>11} "
+          f"{'warm RSS MB peak (held)':>27} {'ratio':>11}  piper's last warm compile_stats")
     with tempfile.TemporaryDirectory() as tmp:
         for index, pair in enumerate(_pairs(args.nproc)):
             if args.only and not any(word in pair for word in args.only):
                 continue
-            cold, warm, summary = [], [], None
+            cold, warm, cold_rss, warm_rss, summary = [], [], [], [], None
             for side in (0, 1):
                 cache_dir = os.path.join(tmp, f"pair{index}_side{side}")
-                cold.append(_run(args.nproc, cache_dir, pair, side)[0])
+                seconds, rss, _ = _run(args.nproc, cache_dir, pair, side)
+                cold.append(seconds)
+                cold_rss.append(rss)
                 runs = [_run(args.nproc, cache_dir, pair, side) for _ in range(args.rounds)]
-                warm.append([seconds for seconds, _ in runs])
-                summary = summary or runs[-1][1]
+                warm.append([seconds for seconds, _, _ in runs])
+                warm_rss.append(tuple(statistics.median(rss[k] for _, rss, _ in runs) for k in (0, 1)))
+                summary = summary or runs[-1][2]
             medians = [statistics.median(w) for w in warm]
             spreads = [(max(w) - min(w)) / statistics.median(w) for w in warm]
             print(f"{pair:<20} {cold[0]:9.1f}/{cold[1]:<10.1f} {cold[0] / cold[1]:5.2f} "
                   f"{medians[0]:14.2f} ({spreads[0]:3.0%}) {medians[1]:15.2f} ({spreads[1]:3.0%}) "
-                  f"{medians[0] / medians[1]:5.2f}  {summary}", flush=True)
+                  f"{medians[0] / medians[1]:5.2f} {_rss(cold_rss)} {_rss(warm_rss)}  {summary}", flush=True)
 
 
 if __name__ == "__main__":
