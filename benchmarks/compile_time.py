@@ -17,6 +17,7 @@ the native side is the compiled one (DDP around a compiled model, FSDP2 with eac
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -49,7 +50,7 @@ def _pairs(world: int) -> dict:
 
 def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str, side: int, results) -> None:
     """One rank: build `pair`'s side, time its first step (barrier to barrier), take `STEPS`
-    more, and report with its peak RSS."""
+    more, and report with its RSS."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     import torch
     import torch.distributed as dist
@@ -57,35 +58,44 @@ def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str
     import piper_fx
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    entry = _pairs(world)[pair]
-    make, cfg, dp = entry[side], entry[2], entry[3]
-    torch.manual_seed(0)
-    model = compare.GPT(cfg)
-    step, params = make(model)
-    opt = torch.optim.AdamW(list(params), lr=1e-3, foreach=True)
-    x, y = compare.batch(0, PER_RANK * world)
-    x, y = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
-    dist.barrier()
-    start = time.perf_counter()
-    loss = step(x, y)
-    if loss.requires_grad:
-        loss.backward()
-    opt.step()
-    seconds = time.perf_counter() - start
-    opt.zero_grad()
-    for i in range(1, STEPS + 1):
-        x, y = compare.batch(i, PER_RANK * world)
-        loss = step(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
-        if loss.requires_grad:
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
+    seconds = _train(rank, world, pair, side)
+    # The side's model is gone before its process group: DDP's reducer freed after
+    # `destroy_process_group` can hang in the group's destructor at exit.
+    gc.collect()
     everyone = [None] * world
     dist.all_gather_object(everyone, (seconds, compare._peak_rss_mb(), compare._peak_rss_mb("VmRSS")))
     if rank == 0:
         results.put((max(s for s, _, _ in everyone), (max(p for _, p, _ in everyone), max(h for _, _, h in everyone)),
                      piper_fx.last_compile_stats().get("summary") if side == 0 else None))
     dist.destroy_process_group()
+
+
+def _train(rank: int, world: int, pair: str, side: int) -> float:
+    """Build `pair`'s side and train it `1 + STEPS` steps; the first step's seconds."""
+    import torch
+    import torch.distributed as dist
+
+    entry = _pairs(world)[pair]
+    make, cfg, dp = entry[side], entry[2], entry[3]
+    torch.manual_seed(0)
+    model = compare.GPT(cfg)
+    step, params = make(model)
+    opt = torch.optim.AdamW(list(params), lr=1e-3, foreach=True)
+    seconds = 0.0
+    for i in range(1 + STEPS):
+        x, y = compare.batch(i, PER_RANK * world)
+        x, y = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
+        if i == 0:
+            dist.barrier()
+            start = time.perf_counter()
+        loss = step(x, y)
+        if loss.requires_grad:
+            loss.backward()
+        opt.step()
+        if i == 0:
+            seconds = time.perf_counter() - start
+        opt.zero_grad()
+    return seconds
 
 
 def _run(world: int, cache_dir: str, pair: str, side: int) -> tuple[float, tuple[float, float], str | None]:
