@@ -76,13 +76,12 @@ class _HeldBytes:
 
     def hold(self, tensor: torch.Tensor, part: str) -> None:
         """Count `tensor` in `part`, unless its storage is counted already or is the step's input."""
-        untyped = tensor.untyped_storage()
-        storage = untyped._cdata  # `storage_key`
+        storage = storage_key(tensor)
         if storage in self.input_storages:
             return
         entry = self.live.get(storage)
         if entry is None:
-            entry = self.live[storage] = [untyped.nbytes(), 0, part]
+            entry = self.live[storage] = [tensor.untyped_storage().nbytes(), 0, part]
         if entry[1] == 0:
             self.parts[entry[2]] += entry[0]
             self.total += entry[0]
