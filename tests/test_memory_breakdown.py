@@ -24,10 +24,14 @@ CASES = {
 }
 # What the allocator may see beyond the reported parts, as a share of what the step makes
 # (the peak less the parameters and optimizer state held throughout): buffers no graph
-# shows, such as gloo's staging copy of an all-gather's output (9% at zero3 here) and
-# ops' internal workspaces. Measured: 0% at zero0 and dualpipev's rank 0, 1% at 1f1b,
-# 4% at zbv, 0-9% at zero3.
+# shows, such as gloo's staging copy of an all-gather's output and ops' internal
+# workspaces. Measured: 0% at zero0 and dualpipev's rank 0, 1% at 1f1b, 4% at zbv.
 MARGIN = 0.15
+# ZeRO-3 with `prefetch` 1 has up to two all-gathers in flight, and gloo stages a copy of
+# each one's output (9% of what the step makes here): whether none, one or both are alive
+# at the peak depends on when gloo's thread gets to them. Measured: 0%, 9% and 18% of
+# three runs of the same step.
+MARGINS = {"zero3": 0.25}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,8 @@ def test_parts_add_up_to_the_peak_the_allocator_measured(runs, case):
         assert memory["activations"] > 0 or "_ac" in case, (case, rank, memory)
         assert memory["task_temporaries"] >= 0, (case, rank, memory)
         made = memory["peak"] - memory["parameters"] - memory["optimizer_state"]
-        assert made * 0.999 <= run["measured"] <= made * (1 + MARGIN), (case, rank, made, run["measured"])
+        assert made * 0.999 <= run["measured"] <= made * (1 + MARGINS.get(case, MARGIN)), \
+            (case, rank, made, run["measured"])
 
 
 @pytest.mark.parametrize("case", CASES)
