@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ..ir import Instruction, RankProgram, Recv, Run, Send
 from . import failures
 from .memory import MEMORY_PARTS, TaskPeak, storage_key, task_peak
+from .p2p import P2PBatch, Receiving, Sending, wire_tensor
 from .timing import COMM_WAIT, COMPUTE, StepTimeline, clock_for, recording
 
 # Context managers entered around every task run, e.g. a dispatch mode that
@@ -165,112 +165,7 @@ def _value(name: str, microbatch: int | None) -> str:
     return name if microbatch is None else f"{name} (microbatch {microbatch})"
 
 
-class _Receiving:
-    """A receive: the buffer it fills, and once its batch is issued the work to wait for."""
-
-    def __init__(self, instruction: Recv):
-        self.instruction = instruction
-        order = instruction.order
-        wire = instruction.shape if order is None else tuple(instruction.shape[dim] for dim in order)
-        self.received = torch.empty(wire, dtype=instruction.dtype, device=instruction.device)
-        self.issued: tuple[_Issued, int] | None = None  # its batch and place in it, once issued
-        # The value as its readers were compiled for it: the received rows read in `order`.
-        self.buffer = self.received if order is None else self.received.permute(_inverse(order))
-
-    def wait(self, timeline: StepTimeline) -> torch.Tensor:
-        with timeline.span(f"recv {self.instruction.value}", COMM_WAIT, "recv"):
-            batch, message = self.issued
-            batch.wait(message)
-        return self.buffer
-
-
-class _Issued:
-    """The works of an issued batch of messages, each waited for once (a gloo work waited for
-    twice waits for a second completion) and let go of once complete (a send's work holds the
-    tensor it sends). With a work per message (backends without coalescing) a message waits
-    for its own; with fewer (NCCL's one group), for all."""
-
-    def __init__(self, works: list[dist.Work], messages: int):
-        self.works: list[dist.Work | None] = list(works)
-        self.per_message = len(works) == messages
-
-    def _works_of(self, message: int) -> range:
-        return range(message, message + 1) if self.per_message else range(len(self.works))
-
-    def wait(self, message: int) -> None:
-        for index in self._works_of(message):
-            if self.works[index] is not None:
-                self.works[index].wait()
-                self.works[index] = None
-
-    def completed(self, message: int) -> bool:
-        for index in self._works_of(message):
-            if self.works[index] is not None and not self.works[index].is_completed():
-                return False
-        for index in self._works_of(message):
-            self.works[index] = None
-        return True
-
-
-class _P2PBatch:
-    """The sends and receives a program issues back to back (one step of its schedule), issued
-    together as one `dist.batch_isend_irecv`: under NCCL one group, in which a send and a
-    receive between the same two ranks cannot wait for each other (issued one by one on the
-    pair's stream, each side's send would wait for a receive queued behind the other's send).
-    Backends without coalescing (gloo) issue them one by one, in the same order.
-
-    Issuing is communication time on the `timeline` (kind "p2p issue"), not the runtime's
-    own: gloo writes a message's bytes to its transport in the issuing thread (0.15-0.2 ms
-    per 128 KB activation on this project's 2-core machine, most of what a pipeline step
-    spends outside tasks and waits); under NCCL it is a kernel launch."""
-
-    def __init__(self, timeline: StepTimeline):
-        self.timeline = timeline
-        self.ops: list[tuple] = []  # each message's `dist.P2POp` arguments (op, tensor, peer, tag)
-        self.sends: list[tuple[int, torch.Tensor]] = []  # (place in the batch, tensor sent)
-        self.receives: list[tuple[int, _Receiving]] = []
-        self.issued = 0  # batches issued this step
-
-    def send(self, wire: torch.Tensor, instruction: Send) -> None:
-        self.sends.append((len(self.ops), wire))
-        self.ops.append((dist.isend, wire, instruction.peer, instruction.tag))
-
-    def receive(self, posted: _Receiving) -> None:
-        self.receives.append((len(self.ops), posted))
-        self.ops.append((dist.irecv, posted.received, posted.instruction.peer, posted.instruction.tag))
-
-    def issue(self) -> list[_Sending]:
-        """Issue the batch, if any; returns its sends."""
-        if not self.ops:
-            return []
-        with self.timeline.span(f"issue {len(self.ops)} p2p", COMM_WAIT, "p2p issue"):
-            ops = [dist.P2POp(op, tensor, peer, tag=tag) for op, tensor, peer, tag in self.ops]
-            issued = _Issued(dist.batch_isend_irecv(ops), len(ops))
-        for message, posted in self.receives:
-            posted.issued = (issued, message)
-        sends = [_Sending(issued, message, wire) for message, wire in self.sends]
-        self.ops, self.sends, self.receives = [], [], []
-        self.issued += 1
-        return sends
-
-
-@dataclass(frozen=True)
-class _Sending:
-    """A send in flight: its batch, its place in it, and the tensor it sends."""
-
-    batch: _Issued
-    message: int
-    wire: torch.Tensor
-
-
-def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
-    inverse = [0] * len(order)
-    for position, dim in enumerate(order):
-        inverse[dim] = position
-    return tuple(inverse)
-
-
-def _in_flight(sends: list[_Sending], memory: _HeldBytes) -> list[_Sending]:
+def _in_flight(sends: list[Sending], memory: _HeldBytes) -> list[Sending]:
     """The sends not yet completed; the tensors of the others no longer held."""
     flying = []
     for send in sends:
@@ -279,11 +174,6 @@ def _in_flight(sends: list[_Sending], memory: _HeldBytes) -> list[_Sending]:
         else:
             flying.append(send)
     return flying
-
-
-def _wire(tensor: torch.Tensor, send: Send) -> torch.Tensor:
-    """What a send puts on the wire: `tensor` in its memory order (`Send.order`), contiguous."""
-    return (tensor if send.order is None else tensor.permute(send.order)).contiguous()
 
 
 class _Position:
@@ -409,7 +299,7 @@ class ProgramExecutor:
         """
         timeline = StepTimeline(self.program.rank, clock_for(self.device))
         position = _Position()
-        batch = _P2PBatch(timeline)
+        batch = P2PBatch(timeline)
         try:
             with recording(timeline):
                 results, memory = self._run(values, timeline, position, held or {}, batch)
@@ -421,10 +311,10 @@ class ProgramExecutor:
         return results, StepRun(counts, timeline)
 
     def _run(self, values: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position,
-             held: dict[str, int], batch: _P2PBatch):
+             held: dict[str, int], batch: P2PBatch):
         program = self.program
-        pending_sends: list[_Sending] = []
-        receiving: dict[Key, list[_Receiving]] = {}  # receives, completed by the value's first reader
+        pending_sends: list[Sending] = []
+        receiving: dict[Key, list[Receiving]] = {}  # receives, completed by the value's first reader
         # `batch`: the sends and receives not issued yet, those since the last other instruction.
 
         def arrive(key: Key) -> None:
@@ -464,12 +354,12 @@ class ProgramExecutor:
                     self._run_task(instruction, values, index)  # drops what it last reads
             elif isinstance(instruction, Send):
                 tensor = values[program.key(instruction.value, instruction.microbatch)]
-                wire = _wire(tensor, instruction)
+                wire = wire_tensor(tensor, instruction)
                 batch.send(wire, instruction)
                 memory.hold(wire, "communication_buffers")  # held by the transfer until it completes
             elif isinstance(instruction, Recv):
                 key = program.key(instruction.value, instruction.microbatch)
-                posted = _Receiving(instruction)
+                posted = Receiving(instruction)
                 batch.receive(posted)
                 receiving.setdefault(key, []).append(posted)
                 memory.hold(posted.buffer, "communication_buffers")
