@@ -63,32 +63,39 @@ class _HeldBytes:
         return self.part_of[name] if name in self.part_of else (
             "activations" if microbatch is not None else "communication_buffers")
 
-    def add(self, key: Key, value) -> None:
-        """Count `value` set under `key`."""
-        part = self._part(key)
-        if part is not None and isinstance(value, torch.Tensor):
-            self.hold(value, part)
+    def add(self, key: Key, value) -> int | None:
+        """Count `value` set under `key`; the storage (`storage_key`) it is counted on, or
+        None where it is not counted (not a tensor, or the step's input)."""
+        name, microbatch = key
+        part = self.part_of[name] if name in self.part_of else (
+            "activations" if microbatch is not None else "communication_buffers")
+        if part is None or not isinstance(value, torch.Tensor):
+            return None
+        return self.hold(value, part)
 
-    def remove(self, key: Key, value) -> None:
-        """Stop counting `value`, no longer held under `key`."""
-        if self._part(key) is not None and isinstance(value, torch.Tensor):
-            self.release(value)
-
-    def hold(self, tensor: torch.Tensor, part: str) -> None:
-        """Count `tensor` in `part`, unless its storage is counted already or is the step's input."""
-        storage = storage_key(tensor)
-        if storage in self.input_storages:
-            return
-        entry = self.live.get(storage)
+    def hold(self, tensor: torch.Tensor, part: str) -> int | None:
+        """Count `tensor` in `part`, unless its storage is counted already or is the step's
+        input; the storage it is counted on, or None."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata  # `storage_key`, with the storage at hand for its size
+        if key in self.input_storages:
+            return None
+        entry = self.live.get(key)
         if entry is None:
-            entry = self.live[storage] = [tensor.untyped_storage().nbytes(), 0, part]
-        if entry[1] == 0:
-            self.parts[entry[2]] += entry[0]
-            self.total += entry[0]
-        entry[1] += 1
+            size = storage.nbytes()
+            self.live[key] = [size, 1, part]
+            self.parts[part] += size
+            self.total += size
+        else:
+            entry[1] += 1
+        return key
 
     def release(self, tensor: torch.Tensor) -> None:
-        storage = storage_key(tensor)
+        """Stop counting `tensor`, which `hold` counted."""
+        self.release_storage(storage_key(tensor))
+
+    def release_storage(self, storage: int) -> None:
+        """Stop counting one value on `storage` (`storage_key`)."""
         entry = self.live.get(storage)
         if entry is None:
             return
@@ -105,13 +112,13 @@ class _HeldBytes:
             self.peak_total = self.total
             self.peak_parts = {**self.parts, "task_temporaries": 0}
 
-    def observe_task(self, peak: TaskPeak, released: list) -> None:
-        """Note what is held at the `peak` of a task about to run, whose inputs
-        `released` (values at `peak.released`) it frees by then."""
+    def observe_task(self, peak: TaskPeak, released: list[int | None]) -> None:
+        """Note what is held at the `peak` of a task about to run, which frees by then its
+        inputs (those at `peak.released`) counted on the storages `released`."""
         total = self.total + peak.made
         freed: dict[str, int] = {}
-        for value in released:
-            entry = self.live.get(storage_key(value)) if isinstance(value, torch.Tensor) else None
+        for storage in released:
+            entry = self.live.get(storage) if storage is not None else None
             if entry is not None and entry[1] == 1:  # no other value holds its storage
                 freed[entry[2]] = freed.get(entry[2], 0) + entry[0]
                 total -= entry[0]
@@ -126,24 +133,32 @@ class _HeldBytes:
 
 
 class _Values(dict):
-    """The program's values by key, reporting every value set or dropped to a `_HeldBytes`."""
+    """The program's values by key, reporting every value set or dropped to a `_HeldBytes`,
+    and the storage each is counted on (a value's storage is looked up once, when it is set)."""
 
     def __init__(self, values: dict, tracked: _HeldBytes):
         super().__init__(values)
         self.tracked = tracked
+        self.counted: dict[Key, int] = {}  # key -> the storage its value is counted on
         self.sums: set[Key] = set()  # keys whose value is a sum `accumulate` made
 
     def __setitem__(self, key: Key, value) -> None:
-        if key in self:
-            self.tracked.remove(key, dict.__getitem__(self, key))
-        self.sums.discard(key)
+        counted = self.counted
+        if key in counted:
+            self.tracked.release_storage(counted.pop(key))
+        if self.sums:
+            self.sums.discard(key)
         super().__setitem__(key, value)
-        self.tracked.add(key, value)
+        storage = self.tracked.add(key, value)
+        if storage is not None:
+            counted[key] = storage
 
     def pop(self, key: Key, *default):
-        if key in self:
-            self.tracked.remove(key, dict.__getitem__(self, key))
-        self.sums.discard(key)
+        storage = self.counted.pop(key, None)
+        if storage is not None:
+            self.tracked.release_storage(storage)
+        if self.sums:
+            self.sums.discard(key)
         return super().pop(key, *default)
 
     def accumulate(self, key: Key, value: torch.Tensor) -> None:
@@ -349,7 +364,7 @@ class ProgramExecutor:
                     values.sums.difference_update(reads)
             if isinstance(instruction, Run):
                 peak, released = self.task_peaks[index]
-                memory.observe_task(peak, [values.get(key) for key in released])
+                memory.observe_task(peak, [values.counted.get(key) for key in released])
                 with timeline.span(instruction.label, COMPUTE):
                     self._run_task(instruction, values, index)  # drops what it last reads
             elif isinstance(instruction, Send):
