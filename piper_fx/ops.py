@@ -14,6 +14,7 @@ from .sharding.row_shard import REDUCE_GRAD, UNSHARD
 
 # ---- Functional collectives (`torch.distributed._functional_collectives`) and their wait.
 WAIT = torch.ops._c10d_functional.wait_tensor.default
+ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 # Inductor's reduce-scatter bucketing waits with the legacy namespace's op.
 LEGACY_WAIT = torch.ops.c10d_functional.wait_tensor.default
 

@@ -11,15 +11,19 @@ every rank issues the same buckets in the same order. Our policy on top: a
 ZeRO-3 parameter all-gather bucket never spans two layers (`piper_unit`), so a
 layer's parameters are gathered together and no more than a layer is held for
 a bucket; the other collectives (once-per-step gathers, gradient reductions)
-bucket by size alone.
+bucket by size alone. An all-gather bucket gathers from a flat copy of the
+rank's shards, not from the rank's slot of the gathered buffer as Inductor's
+own merge does: the graph then names no rank, so every rank of the group has
+the same task code, compiled once for all of them (`codegen.shared`).
 """
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from ..compat import bucketing, stable_topological_sort, tracing
 from ..ir import TrainingDAG
-from ..ops import LEGACY_WAIT, UNIT, WAIT
+from ..ops import ALL_GATHER, LEGACY_WAIT, UNIT, WAIT
 from ..options import Strategy
 
 
@@ -29,8 +33,24 @@ def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float) -> None:
 
     buckets = bucketing.greedy_bucket_collective_by_mb(
         gm, lambda _: cap_mb, bucketing.is_all_gather_into_tensor, key)
-    if buckets:
-        bucketing.merge_all_gather(gm, buckets, "default")
+    for bucket in buckets:  # one group and dtype each (`_ag_group_key`)
+        _, group_size, group_name = bucket[0].args
+
+        def trace_args(inputs: list[fx.Node], group_size=group_size, group_name=group_name) -> tuple:
+            return [node.meta["val"] for node in inputs], group_name, group_size
+        bucketing.process_collective_bucket(gm.graph, bucket, _gather_from_flat_copy, trace_args)
+
+
+def _gather_from_flat_copy(inputs: list, group_name: str, group_size: int) -> list:
+    """A bucket's all-gather, traced into the graph: the shards copied into one flat input,
+    gathered (the functional collective, whose input Inductor keeps alive until the wait;
+    not the `_out` form, whose input it may reuse while the collective still reads it), and
+    viewed per tensor."""
+    sizes = [t.numel() for t in inputs]
+    flat = torch.cat([t.reshape(-1) for t in inputs])
+    gathered = WAIT(ALL_GATHER(flat, group_size, group_name)).reshape(group_size, -1)
+    return [part.reshape((t.shape[0] * group_size, *t.shape[1:]))
+            for part, t in zip(torch.split_with_sizes(gathered, sizes, dim=1), inputs)]
 
 
 def _wait_with_functional_collectives(gm: fx.GraphModule) -> None:
