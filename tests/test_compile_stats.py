@@ -122,3 +122,27 @@ def test_a_plan_from_the_cache_trains_as_planned_on_real_ranks(tmp_path):
             assert first["trained_values"].keys() == second["trained_values"].keys()
             for name, value in first["trained_values"].items():
                 assert (second["trained_values"][name] == value).all(), (rank, config, name)
+
+
+def test_ranks_compile_each_task_they_share_once(tmp_path):
+    """Two data-parallel ranks run the same task graphs (ZeRO-3's gathers name no rank): from an
+    empty cache directory they share, each compiles one of the two tasks and loads the other
+    from the cache, and they train like single-process training."""
+    from ranks import run_ranks
+    from training import shared_compile_worker
+
+    results = run_ranks(shared_compile_worker, 2, str(tmp_path / "inductor"), deadline_s=600)
+    for rank, run in enumerate(results):
+        assert run["tasks"] == {"compiled": 1, "cache_hit": 1}, (rank, run["tasks"])
+        assert {"codegen exchange", "codegen wait for peers"} <= set(run["phases"])
+        assert max(run["loss_errors"]) < 1e-5 and max(run["param_errors"].values()) < 1e-5, rank
+
+
+def test_a_rank_failing_to_compile_stops_its_peers_naming_it():
+    from ranks import run_ranks
+    from training import failing_compile_worker
+
+    raised = run_ranks(failing_compile_worker, 2, 1, deadline_s=300)
+    assert "RuntimeError: no compiler for" in raised[1]
+    assert "PiperError" in raised[0] and "rank 1 failed to compile its tasks" in raised[0] \
+        and "no compiler for" in raised[0], raised[0]

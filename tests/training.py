@@ -763,3 +763,45 @@ def plan_cache_worker(rank: int, world: int, configs: list[dict], cache_dir: str
         else:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
     return results
+
+
+def shared_compile_worker(rank: int, world: int, cache_dir: str) -> dict:
+    """ZeRO-3 under Inductor from an empty cache directory shared by the ranks, against
+    single-process training: how this rank obtained each task's code (`compile_stats`)."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    try:
+        run = train_and_compare(rank, world, {"zero": 3, "codegen": "inductor"}, "sgd", steps=3)
+        stats = piper_fx.last_compile_stats()
+    finally:  # the rank pool's process serves other tests after this one
+        if previous is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+    return {**run, "tasks": stats["tasks"], "phases": list(stats["seconds"])}
+
+
+def failing_compile_worker(rank: int, world: int, fail_rank: int) -> str:
+    """Data parallelism under Inductor in which `fail_rank`'s code generation raises: what
+    compiling raised on this rank."""
+    from piper_fx.codegen import inductor
+
+    cfg = GPTConfig(**SMALL)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    compile_task = inductor.compile_task
+
+    def failing(task, time_waits=False):
+        raise RuntimeError(f"no compiler for {task.name}")
+
+    if rank == fail_rank:
+        inductor.compile_task = failing
+    try:
+        x, y = global_batch(0, 2, cfg)
+        torch.compile(model, backend="piper", options={"codegen": "inductor"})(x, y)
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        return f"{type(error).__name__}: {error}"
+    finally:
+        inductor.compile_task = compile_task
+        torch._dynamo.reset()
+    return "nothing raised"

@@ -6,7 +6,8 @@ die at their last use inside the task) and returns a sequence of outputs.
 `compile_fx_inner` (C++ on CPU, Triton on CUDA); collectives stay inside the
 compiled graphs as functional collectives. With `time_waits` (option
 `profile`), the waits of those collectives are timed as exposed communication
-(`runtime.timing`).
+(`runtime.timing`). Under Inductor, ranks that would compile the same task
+split the work (`shared`): each distinct task is compiled by one of them.
 """
 from __future__ import annotations
 
@@ -17,20 +18,34 @@ import torch
 from ..compile_stats import CompileStats
 from ..debug import DebugDump
 from ..ir import RankProgram, Task
-from . import eager, inductor
+from . import eager, inductor, shared
 
 CompiledTask = Callable[[list], Sequence[torch.Tensor]]
 
 
 def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: CompileStats,
                     time_waits: bool = False) -> dict[str, CompiledTask]:
-    """Each task of `program`, compiled; its time and how its code was obtained go into `stats`."""
-    compile_task = inductor.compile_task if codegen == "inductor" else eager.compile_task
+    """Each task of `program`, compiled; its time and how its code was obtained go into `stats`.
+    Under Inductor, collective: every rank compiles its program at once (`shared`)."""
     compiled: dict[str, CompiledTask] = {}
-    for task in program.tasks.values():
+    tasks = list(program.tasks.values())
+    if codegen != "inductor":
+        for task in tasks:
+            with stats.task(task.name, codegen):
+                compiled[task.name], source = eager.compile_task(task, time_waits)
+            dump.write(f"codegen/{task.name}.py", source)
+        return compiled
+
+    def compile_one(task: Task) -> None:
         with stats.task(task.name, codegen):
-            compiled[task.name], source = compile_task(task, time_waits)
+            compiled[task.name], source = inductor.compile_task(task, time_waits)
         dump.write(f"codegen/{task.name}.py", source)
+
+    for task in tasks:
+        inductor.name_by_position(task.graph)
+    with stats.phase("codegen exchange"):
+        shares = shared.share(tasks)
+    shared.compile_shares(shares, compile_one, lambda: stats.phase("codegen wait for peers"))
     return compiled
 
 

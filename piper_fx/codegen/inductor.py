@@ -18,23 +18,28 @@ def _fake_inputs(task: Task) -> list:
     return [n.meta["val"] for n in task.graph.graph.nodes if n.op == "placeholder"]
 
 
-def _name_by_position(gm: fx.GraphModule) -> None:
+def name_by_position(gm: fx.GraphModule) -> None:
     """Name every value of `gm` by its place (inputs `in0`, `in1`, ..., the rest `v0`, `v1`,
     ...), in place. Tasks that compute the same on other values (a layer of one stage and the
     same layer of another, on this rank or another) then have the same code, hence the same
     key in Inductor's FX graph cache: each distinct task is compiled once, and loaded for
-    the others."""
+    the others. Nothing to do for a graph named so already."""
     graph = gm.graph
-    for index, node in enumerate(graph.find_nodes(op="placeholder")):
+    placeholders = graph.find_nodes(op="placeholder")
+    others = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    if all(n.name == f"in{i}" for i, n in enumerate(placeholders)) and \
+            all(n.name == f"v{i}" for i, n in enumerate(others)):
+        return
+    for index, node in enumerate(placeholders):
         node._rename(f"in{index}")
         node.target = node.name
-    for index, node in enumerate(n for n in graph.nodes if n.op not in ("placeholder", "output")):
+    for index, node in enumerate(others):
         node._rename(f"v{index}")
     gm.recompile()
 
 
 def compile_task(task: Task, time_waits: bool = False):
-    _name_by_position(task.graph)
+    name_by_position(task.graph)
     example_inputs = _fake_inputs(task)
     fake_mode = next((v.fake_mode for v in example_inputs if hasattr(v, "fake_mode")), None)
     # The task's order is the overlap policy (`reorder_for_overlap`, `fuse_overlapped_pairs`):
