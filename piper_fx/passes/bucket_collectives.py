@@ -33,21 +33,23 @@ def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float) -> None:
 
     buckets = bucketing.greedy_bucket_collective_by_mb(
         gm, lambda _: cap_mb, bucketing.is_all_gather_into_tensor, key)
-    for bucket in buckets:  # one group and dtype each (`_ag_group_key`)
+    for bucket in buckets:  # one group and gathered dtype each (`_ag_group_key`)
         _, group_size, group_name = bucket[0].args
+        dtype = bucket[0].meta["val"].dtype
 
-        def trace_args(inputs: list[fx.Node], group_size=group_size, group_name=group_name) -> tuple:
-            return [node.meta["val"] for node in inputs], group_name, group_size
+        def trace_args(inputs: list[fx.Node], group_size=group_size, group_name=group_name, dtype=dtype) -> tuple:
+            return [node.meta["val"] for node in inputs], group_name, group_size, dtype
         bucketing.process_collective_bucket(gm.graph, bucket, _gather_from_flat_copy, trace_args)
 
 
-def _gather_from_flat_copy(inputs: list, group_name: str, group_size: int) -> list:
-    """A bucket's all-gather, traced into the graph: the shards copied into one flat input,
+def _gather_from_flat_copy(inputs: list, group_name: str, group_size: int, dtype: torch.dtype) -> list:
+    """A bucket's all-gather, traced into the graph: the shards, cast to the gathered dtype
+    (the bucket takes a cast's input, and casts it itself), copied into one flat input,
     gathered (the functional collective, whose input Inductor keeps alive until the wait;
     not the `_out` form, whose input it may reuse while the collective still reads it), and
     viewed per tensor."""
     sizes = [t.numel() for t in inputs]
-    flat = torch.cat([t.reshape(-1) for t in inputs])
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in inputs])
     gathered = WAIT(ALL_GATHER(flat, group_size, group_name)).reshape(group_size, -1)
     return [part.reshape((t.shape[0] * group_size, *t.shape[1:]))
             for part, t in zip(torch.split_with_sizes(gathered, sizes, dim=1), inputs)]
