@@ -15,7 +15,7 @@ from torch import nn
 
 from . import plan_cache
 from .capture import capture
-from .codegen import compile_program
+from .codegen import compile_program, warm_up
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
 from .errors import PiperError
@@ -154,6 +154,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
 
     dump = DebugDump(strategy.debug_dir, strategy.rank)
     stats = CompileStats()
+    warming = warm_up(strategy.codegen, device)  # in the background, while the step is planned
     planned = planned_step(gm, example_inputs, strategy, dump, stats)
     # Replicated parameters and buffers the model was compiled with, without
     # `prepare`: start every replica from the first one's values, as DDP does.
@@ -165,7 +166,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     dump.write("program.txt", program.render())
     dump.write("schedule.txt", text_grid(planned.schedule))
     dump.write("schedule.svg", svg(planned.schedule))
-    compiled = compile_program(program, strategy.codegen, dump, stats, time_waits=strategy.profile)
+    compiled = compile_program(program, strategy.codegen, dump, stats, time_waits=strategy.profile, warmed=warming)
     dump.write("compile_stats.txt", stats.render())
     record(stats)
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from piper_fx.passes import PIPELINE, dump_path
 
 STEPS = 3
@@ -70,6 +73,8 @@ def test_compile_stats_time_each_phase_and_later_compiles_reuse_the_plan_and_eve
     assert [name for name in cold["stats"]["seconds"] if name.startswith("pass:")] == \
         [f"pass:{p.name}" for p in PIPELINE]
     assert {"plan cache", "capture", "passes", "codegen"} <= cold["stats"]["by_kind"].keys()
+    # Inductor's per-process CPU probe ran beside planning; the compile waited for what was left of it.
+    assert "codegen warm-up" in cold["stats"]["seconds"]
     # The same process after `torch._dynamo.reset()`, and a fresh one: neither plans nor compiles.
     for warm in (again, fresh):
         assert warm["stats"]["plan"] == "cache hit"
@@ -146,3 +151,25 @@ def test_a_rank_failing_to_compile_stops_its_peers_naming_it():
     assert "RuntimeError: no compiler for" in raised[1]
     assert "PiperError" in raised[0] and "rank 1 failed to compile its tasks" in raised[0] \
         and "no compiler for" in raised[0], raised[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["host0:/cache", "host1:/cache", None]),
+                          st.sets(st.sampled_from(["k0", "k1", "k2", "k3", "k4"]))), min_size=1, max_size=8))
+def test_each_task_shared_through_a_cache_goes_to_one_rank_holding_it(ranks):
+    """`codegen.shared.assign`: every task key held through a cache is compiled by one rank
+    holding it through that cache, the same answer on every call; a rank without a shared
+    cache compiles for no one; equal tasks held by every rank spread evenly."""
+    from piper_fx.codegen.shared import assign
+
+    costs = {"k0": 500, "k1": 300, "k2": 300, "k3": 40, "k4": 1}
+    everyone = [(cache, [(key, costs[key]) for key in sorted(keys)]) for cache, keys in ranks]
+    owner = assign(everyone)
+    assert owner == assign(everyone)
+    held = {(cache, key) for cache, keys in ranks if cache is not None for key in keys}
+    assert owner.keys() == held
+    for (cache, key), rank in owner.items():
+        assert ranks[rank][0] == cache and key in ranks[rank][1]
+    same = [("host0:/cache", [(f"k{i}", 10) for i in range(7)])] * 3
+    counts = sorted(list(assign(same).values()).count(rank) for rank in range(3))
+    assert counts == [2, 2, 3]

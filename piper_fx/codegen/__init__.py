@@ -23,10 +23,17 @@ from . import eager, inductor, shared
 CompiledTask = Callable[[list], Sequence[torch.Tensor]]
 
 
+def warm_up(codegen: str, device: torch.device | None) -> inductor.WarmUp | None:
+    """Start what code generation does once per process and can do before the tasks exist
+    (`inductor.WarmUp`), for `compile_program` to wait for."""
+    return inductor.WarmUp(device) if codegen == "inductor" else None
+
+
 def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: CompileStats,
-                    time_waits: bool = False) -> dict[str, CompiledTask]:
+                    time_waits: bool = False, warmed: inductor.WarmUp | None = None) -> dict[str, CompiledTask]:
     """Each task of `program`, compiled; its time and how its code was obtained go into `stats`.
-    Under Inductor, collective: every rank compiles its program at once (`shared`)."""
+    Under Inductor, collective: every rank compiles its program at once (`shared`); `warmed`:
+    the `warm_up` started for it, if any."""
     compiled: dict[str, CompiledTask] = {}
     tasks = list(program.tasks.values())
     if codegen != "inductor":
@@ -41,6 +48,9 @@ def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: 
             compiled[task.name], source = inductor.compile_task(task, time_waits)
         dump.write(f"codegen/{task.name}.py", source)
 
+    if warmed is not None:
+        with stats.phase("codegen warm-up"):  # what of it planning did not hide
+            warmed.wait()
     for task in tasks:
         inductor.name_by_position(task.graph)
     with stats.phase("codegen exchange"):
@@ -49,4 +59,4 @@ def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: 
     return compiled
 
 
-__all__ = ["compile_program", "CompiledTask", "Task"]
+__all__ = ["compile_program", "CompiledTask", "Task", "warm_up"]

@@ -6,12 +6,41 @@ The FX graph cache (TORCHINDUCTOR_CACHE_DIR) is shared across ranks and runs.
 """
 from __future__ import annotations
 
+import threading
+
+import torch
 import torch.fx as fx
 
-from ..compat import TracingContext, compile_fx_inner, inductor_config, tracing
+from ..compat import TracingContext, compile_fx_inner, inductor_config, tracing, valid_vec_isa_list
 from ..ir import Task
 from ..ops import WAIT, collective_kind
 from ..runtime.timing import WaitTimer
+
+
+class WarmUp:
+    """Inductor's once-per-process work that needs nothing of the tasks, started in a thread
+    while the step is planned (or its plan loaded): on a CPU, probing which vector ISA its
+    C++ code can be built for, by compiling and running test programs (about a second,
+    mostly waiting on those subprocesses). `wait()` before compiling: the probe's result is
+    cached, and a compile that started before it ended would probe again."""
+
+    def __init__(self, device: torch.device | None):
+        self.thread = None
+        if device is not None and device.type == "cpu":
+            self.thread = threading.Thread(target=_probe_cpu, name="piper_fx inductor warm-up", daemon=True)
+            self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+
+def _probe_cpu() -> None:
+    try:
+        valid_vec_isa_list()
+    except Exception:  # noqa: BLE001 - not cached then: the first kernel's compile probes again and reports
+        pass
 
 
 def _fake_inputs(task: Task) -> list:
