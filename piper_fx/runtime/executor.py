@@ -58,11 +58,6 @@ class _HeldBytes:
         self.peak_total = self.total
         self.activation_peak = 0
 
-    def _part(self, key: Key) -> str | None:
-        name, microbatch = key
-        return self.part_of[name] if name in self.part_of else (
-            "activations" if microbatch is not None else "communication_buffers")
-
     def add(self, key: Key, value) -> int | None:
         """Count `value` set under `key`; the storage (`storage_key`) it is counted on, or
         None where it is not counted (not a tensor, or the step's input)."""
