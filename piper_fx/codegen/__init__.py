@@ -36,18 +36,17 @@ def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: 
     the `warm_up` started for it, if any."""
     compiled: dict[str, CompiledTask] = {}
     tasks = list(program.tasks.values())
-    if codegen != "inductor":
-        for task in tasks:
-            with stats.task(task.name, codegen):
-                compiled[task.name], source = eager.compile_task(task, time_waits)
-            dump.write(f"codegen/{task.name}.py", source)
-        return compiled
+    compile_task = inductor.compile_task if codegen == "inductor" else eager.compile_task
 
     def compile_one(task: Task) -> None:
         with stats.task(task.name, codegen):
-            compiled[task.name], source = inductor.compile_task(task, time_waits)
+            compiled[task.name], source = compile_task(task, time_waits)
         dump.write(f"codegen/{task.name}.py", source)
 
+    if codegen != "inductor":
+        for task in tasks:
+            compile_one(task)
+        return compiled
     if warmed is not None:
         with stats.phase("codegen warm-up"):  # what of it planning did not hide
             warmed.wait()

@@ -85,10 +85,10 @@ def assign(everyone: Sequence[tuple[str | None, Sequence[tuple[str, int]]]]) -> 
             costs[(cache, key)] = cost
     load = [0] * len(everyone)
     owner: dict[tuple[str, str], int] = {}
-    for shared in sorted(holders, key=lambda shared: (-costs[shared], shared)):
-        rank = min(holders[shared], key=lambda r: (load[r], r))
-        owner[shared] = rank
-        load[rank] += costs[shared]
+    for held in sorted(holders, key=lambda held: (-costs[held], held)):
+        rank = min(holders[held], key=lambda r: (load[r], r))
+        owner[held] = rank
+        load[rank] += costs[held]
     return owner
 
 
