@@ -127,3 +127,41 @@ def test_two_models_compiled_in_one_process_keep_their_own_stats():
     assert deep_stats["peak_activation_bytes"] > 0 and small_stats["peak_activation_bytes"] > 0
     run_small(x, y).backward()
     assert piper_fx.last_step_stats() == steps["small"].last_run.stats != small_stats  # a new run, new times
+
+
+def test_memory_counted_until_two_runs_agree_is_what_counting_every_run_reports():
+    """The runtime counts the bytes a program makes value by value on its runs until two in a
+    row count the same, then reports that count with what the step holds now (parameters,
+    optimizer state, the gradients of earlier steps): the same stats as counting every run,
+    as optimizer state appears and gradients accumulate over steps."""
+    import piper_fx
+    from examples.gpt import GPT, GPTConfig
+    from training import SMALL, global_batch
+
+    options = {"codegen": "eager", "pipeline": {"microbatches": 2}}
+    steps, stats = {}, {"profiled": [], "counted": []}
+    for name in stats:
+        torch.manual_seed(0)
+        model = piper_fx.prepare(GPT(GPTConfig(**SMALL)), options)
+
+        def backend(gm, example_inputs, name=name):
+            steps[name] = piper_fx.piper_backend(gm, example_inputs, options)
+            return steps[name]
+        run = torch.compile(model, backend=backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for i in range(5):
+            if name == "counted" and name in steps:
+                steps[name].executor.profile = None  # count this run too
+            x, y = global_batch(i, 4, model.cfg)
+            run(x, y).backward()
+            stats[name].append(piper_fx.last_step_stats())
+            opt.step()
+            if i % 2:  # gradients of the step before are held through the next one
+                opt.zero_grad()
+    assert steps["profiled"].executor.profile is not None
+    for profiled, counted in zip(stats["profiled"], stats["counted"], strict=True):
+        assert profiled["memory"] == counted["memory"], (profiled["memory"], counted["memory"])
+        assert profiled["peak_activation_bytes"] == counted["peak_activation_bytes"]
+    memories = [s["memory"] for s in stats["profiled"]]
+    assert memories[0]["optimizer_state"] == 0 < memories[1]["optimizer_state"] == memories[4]["optimizer_state"]
+    assert memories[1]["gradients"] > memories[2]["gradients"]  # step 1's gradients held through step 2

@@ -38,26 +38,26 @@ def around_tasks(*contexts) -> Iterator[None]:
 
 
 class _HeldBytes:
-    """Bytes of the values the program holds, by memory part (`MEMORY_PARTS`), kept
-    up to date as values come and go (a scan of every value after every instruction
+    """Bytes of the values the program makes and holds, by memory part (`MEMORY_PARTS`),
+    kept up to date as values come and go (a scan of every value after every instruction
     cost a tenth of a pipeline step), and the most held at once with its parts.
     The step's inputs (batch, parameters) and views of them, such as a transposed
-    weight, are not values it counts: the parts the step holds throughout
-    (`held`: parameters, optimizer state, gradients from before) start the count.
+    weight, are not values it counts; what the step holds throughout (parameters,
+    optimizer state, gradients from before) is added to the peak afterwards
+    (`_MemoryProfile.with_held`): held all step, it does not move the peak.
     A storage shared by several values counts once, in the part of the first."""
 
-    def __init__(self, part_of: dict[str, str | None], input_storages: set[int], held: dict[str, int]):
+    def __init__(self, part_of: dict[str, str | None], input_storages: set[int]):
         # Value name -> its part where the name decides it (None for the step's inputs);
         # any other value's part follows from its key.
         self.part_of = part_of
         self.input_storages = input_storages
         self.live: dict[int, list] = {}  # storage (`storage_key`) -> [bytes, values on it, part]
-        self.parts = {part: held.get(part, 0) for part in MEMORY_PARTS}
-        self.total = sum(self.parts.values())
-        self.peak_parts = {**self.parts, "task_temporaries": 0}
-        self.peak_total = self.total
+        self.parts = dict.fromkeys(MEMORY_PARTS, 0)
+        self.total = 0
+        self.peak_parts = dict(self.parts)
+        self.peak_total = 0
         self.activation_peak = 0
-
     def add(self, key: Key, value) -> int | None:
         """Count `value` set under `key`; the storage (`storage_key`) it is counted on, or
         None where it is not counted (not a tensor, or the step's input)."""
@@ -122,36 +122,39 @@ class _HeldBytes:
             self.peak_parts = {**{part: held - freed.get(part, 0) for part, held in self.parts.items()},
                                "task_temporaries": peak.made}
 
-    def peak(self) -> dict[str, int]:
-        """The parts at the moment the most was held, and their sum (`peak`)."""
-        return {"peak": self.peak_total, **self.peak_parts}
+    def profile(self) -> "_MemoryProfile":
+        return _MemoryProfile(self.peak_total, dict(self.peak_parts), self.activation_peak)
+
+
+@dataclass(frozen=True)
+class _MemoryProfile:
+    """What a run of the program made at its peak: the bytes (`peak`), by part, and the most
+    bytes of activations held at once. Every run of a program makes the same values, so a
+    profile two runs in a row measured alike is the program's (`ProgramExecutor.profile`)."""
+
+    peak: int
+    parts: dict[str, int]
+    activation_peak: int
+
+    def with_held(self, held: dict[str, int]) -> dict[str, int]:
+        """The step's peak and its parts, with the parts `held` throughout the step."""
+        return {"peak": self.peak + sum(held.values()),
+                **{part: made + held.get(part, 0) for part, made in self.parts.items()}}
 
 
 class _Values(dict):
-    """The program's values by key, reporting every value set or dropped to a `_HeldBytes`,
-    and the storage each is counted on (a value's storage is looked up once, when it is set)."""
+    """The program's values by key, and which of them are sums `accumulate` made."""
 
-    def __init__(self, values: dict, tracked: _HeldBytes):
+    def __init__(self, values: dict):
         super().__init__(values)
-        self.tracked = tracked
-        self.counted: dict[Key, int] = {}  # key -> the storage its value is counted on
         self.sums: set[Key] = set()  # keys whose value is a sum `accumulate` made
 
     def __setitem__(self, key: Key, value) -> None:
-        counted = self.counted
-        if key in counted:
-            self.tracked.release_storage(counted.pop(key))
         if self.sums:
             self.sums.discard(key)
         super().__setitem__(key, value)
-        storage = self.tracked.add(key, value)
-        if storage is not None:
-            counted[key] = storage
 
     def pop(self, key: Key, *default):
-        storage = self.counted.pop(key, None)
-        if storage is not None:
-            self.tracked.release_storage(storage)
         if self.sums:
             self.sums.discard(key)
         return super().pop(key, *default)
@@ -171,18 +174,44 @@ class _Values(dict):
             self.sums.add(key)
 
 
+class _CountedValues(_Values):
+    """`_Values` reporting every value set or dropped to a `_HeldBytes`, with the storage each
+    is counted on (a value's storage is looked up once, when it is set)."""
+
+    def __init__(self, values: dict, tracked: _HeldBytes):
+        super().__init__(values)
+        self.tracked = tracked
+        self.counted: dict[Key, int] = {}  # key -> the storage its value is counted on
+
+    def __setitem__(self, key: Key, value) -> None:
+        counted = self.counted
+        if key in counted:
+            self.tracked.release_storage(counted.pop(key))
+        super().__setitem__(key, value)
+        storage = self.tracked.add(key, value)
+        if storage is not None:
+            counted[key] = storage
+
+    def pop(self, key: Key, *default):
+        storage = self.counted.pop(key, None)
+        if storage is not None:
+            self.tracked.release_storage(storage)
+        return super().pop(key, *default)
+
+
 def _value(name: str, microbatch: int | None) -> str:
     return name if microbatch is None else f"{name} (microbatch {microbatch})"
 
 
-def _in_flight(sends: list[Sending], memory: _HeldBytes) -> list[Sending]:
-    """The sends not yet completed; the tensors of the others no longer held."""
+def _in_flight(sends: list[Sending], memory: _HeldBytes | None) -> list[Sending]:
+    """The sends not yet completed; the tensors of the others no longer held (nor counted
+    in `memory`, if the run counts)."""
     flying = []
     for send in sends:
-        if send.batch.completed(send.message):
-            memory.release(send.wire)
-        else:
+        if not send.batch.completed(send.message):
             flying.append(send)
+        elif memory is not None:
+            memory.release(send.wire)
     return flying
 
 
@@ -267,12 +296,17 @@ class ProgramExecutor:
         self.arguments: dict[int, list[Key]] = {
             index: self.reads[index] for index, instruction in enumerate(program.instructions)
             if isinstance(instruction, Run)}
+        self.labels = {index: program.instructions[index].label for index in self.arguments}  # the runs' spans
         self.results: dict[int, list[tuple[Key, bool]]] = {
             index: [(program.key(name, run.microbatch), name in program.accumulated)
                     for run in instruction.runs for name in program.tasks[run.task].outputs]
             for index, instruction in enumerate(program.instructions) if isinstance(instruction, Run)}
         self.task_peaks = self._task_peaks()
         self.program = program.without_graphs()
+        # The memory the program makes: counted value by value on its runs until two in a
+        # row measure the same (its values are the same every step), then this.
+        self.profile: _MemoryProfile | None = None
+        self._measured: _MemoryProfile | None = None  # the last run's, while counting
 
     def _task_peaks(self) -> dict[int, tuple[TaskPeak, list[Key]]]:
         """Per run instruction: its task's peak (`task_peak`) and the values it has freed by then.
@@ -298,7 +332,9 @@ class ProgramExecutor:
         """Run every instruction; `values` holds the program inputs and is consumed.
         `held` gives the memory parts the step holds throughout (its parameters,
         their optimizer state, gradients from before). Returns the program's
-        outputs and what the run measured.
+        outputs and what the run measured. What the program itself makes (its
+        values, by memory part) is counted on its runs until two in a row count the
+        same (`profile`); later runs count nothing and report that.
 
         `call` numbers this step call alike on every rank (`failures.next_call`).
         If the program fails, this raises what `failures.raise_failure` makes of
@@ -310,18 +346,26 @@ class ProgramExecutor:
         timeline = StepTimeline(self.program.rank, clock_for(self.device))
         position = _Position()
         batch = P2PBatch(timeline)
+        counting = self.profile is None
         try:
             with recording(timeline):
-                results, memory = self._run(values, timeline, position, held or {}, batch)
+                results, memory = self._run(values, timeline, position, batch, counting)
         except Exception as error:
             failures.raise_failure(error, self.program.rank, call, position.describe())
-        counts = {"comm_bytes": dict(self.comm_bytes), "peak_activation_bytes": memory.activation_peak,
-                  "memory": memory.peak(), "instructions": len(self.program.instructions),
+        profile = self.profile
+        if counting:
+            profile = memory.profile()
+            if profile == self._measured:
+                self.profile = profile
+            self._measured = profile
+        counts = {"comm_bytes": dict(self.comm_bytes), "peak_activation_bytes": profile.activation_peak,
+                  "memory": profile.with_held(held or {}), "instructions": len(self.program.instructions),
                   "p2p_batches": batch.issued}
         return results, StepRun(counts, timeline)
 
     def _run(self, values: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position,
-             held: dict[str, int], batch: P2PBatch):
+             batch: P2PBatch, counting: bool) -> tuple[dict[str, torch.Tensor], _HeldBytes | None]:
+        """Run the instructions; the outputs, and the bytes the run made if `counting`."""
         program = self.program
         pending_sends: list[Sending] = []
         receiving: dict[Key, list[Receiving]] = {}  # receives, completed by the value's first reader
@@ -334,17 +378,22 @@ class ProgramExecutor:
                 position.receiving = posted.instruction
                 buffer = posted.wait(timeline)
                 position.receiving = None
-                memory.release(buffer)  # no longer in flight: counted as a value below
+                if counting:
+                    memory.release(buffer)  # no longer in flight: counted as a value below
                 if posted.instruction.accumulate:
                     values.accumulate(key, buffer)
                 else:
                     values[key] = buffer
 
-        input_storages = {storage_key(v) for v in values.values() if isinstance(v, torch.Tensor)}
-        memory = _HeldBytes(self.part_of, input_storages, held)
-        tracked = _Values(values, memory)
+        memory: _HeldBytes | None = None
+        if counting:
+            input_storages = {storage_key(v) for v in values.values() if isinstance(v, torch.Tensor)}
+            memory = _HeldBytes(self.part_of, input_storages)
+            store = _CountedValues(values, memory)
+        else:
+            store = _Values(values)
         values.clear()  # consumed: the runtime holds the only references, so values die at their last use
-        values = tracked
+        values = store
         for index, instruction in enumerate(program.instructions):
             if not isinstance(instruction, (Send, Recv)):
                 pending_sends.extend(batch.issue())
@@ -358,22 +407,25 @@ class ProgramExecutor:
                 if values.sums:  # read (sent, or passed to a task): a later sum is a new tensor
                     values.sums.difference_update(reads)
             if isinstance(instruction, Run):
-                peak, released = self.task_peaks[index]
-                memory.observe_task(peak, [values.counted.get(key) for key in released])
-                with timeline.span(instruction.label, COMPUTE):
+                if counting:
+                    peak, released = self.task_peaks[index]
+                    memory.observe_task(peak, [values.counted.get(key) for key in released])
+                with timeline.span(self.labels[index], COMPUTE):
                     self._run_task(instruction, values, index)  # drops what it last reads
             elif isinstance(instruction, Send):
                 tensor = values[program.key(instruction.value, instruction.microbatch)]
                 wire = wire_tensor(tensor, instruction)
                 batch.send(wire, instruction)
-                memory.hold(wire, "communication_buffers")  # held by the transfer until it completes
+                if counting:
+                    memory.hold(wire, "communication_buffers")  # held by the transfer until it completes
             elif isinstance(instruction, Recv):
                 key = program.key(instruction.value, instruction.microbatch)
                 posted = Receiving(instruction)
                 batch.receive(posted)
                 receiving.setdefault(key, []).append(posted)
-                memory.hold(posted.buffer, "communication_buffers")
-            if not isinstance(instruction, Send):  # only runs and receives add values
+                if counting:
+                    memory.hold(posted.buffer, "communication_buffers")
+            if counting and not isinstance(instruction, Send):  # only runs and receives add values
                 memory.observe()
             if pending_sends:
                 pending_sends = _in_flight(pending_sends, memory)

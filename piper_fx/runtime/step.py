@@ -62,8 +62,11 @@ def last_step_stats() -> dict:
     - `memory`: where this rank's memory went at the step's peak, in bytes: its
       `peak` and the parts that add up to it (`runtime.memory.MEMORY_PARTS`):
       `parameters`, `optimizer_state`, `gradients`, `activations`,
-      `communication_buffers`, `task_temporaries`. Tracked value by value as the
-      program runs; what a task holds inside itself is estimated from its graph;
+      `communication_buffers`, `task_temporaries`. Counted value by value as the
+      program runs, on its runs until two in a row count the same (a program makes
+      the same values every step), and from then on that count with what the step
+      holds now (parameters, optimizer state, earlier gradients); what a task holds
+      inside itself is estimated from its graph;
     - `instructions`: the program's length; `p2p_batches`: how many
       `dist.batch_isend_irecv` calls its sends and receives went out in (each
       run of them back to back in the program is one).

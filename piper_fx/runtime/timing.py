@@ -115,17 +115,10 @@ class StepTimeline:
     def stamp(self) -> Any:
         return self.clock.stamp()
 
-    @contextlib.contextmanager
-    def span(self, name: str, lane: str, kind: str | None = None) -> Iterator[None]:
-        start = self.clock.stamp()
-        if lane == COMPUTE:
-            self._task_depth += 1
-        try:
-            yield
-        finally:
-            if lane == COMPUTE:
-                self._task_depth -= 1
-            self.spans.append(Span(name, lane, start, self.clock.stamp(), self._task_depth > 0, kind))
+    def span(self, name: str, lane: str, kind: str | None = None) -> "_Spanning":
+        """A context timing what runs inside it as a span of `lane` (a task, if `lane` is
+        compute: spans begun inside it are inside the task)."""
+        return _Spanning(self, name, lane, kind)
 
     def end(self) -> None:
         self.end_ns = self.clock.stamp()
@@ -167,6 +160,29 @@ class StepTimeline:
         events += [{"name": s.name, "cat": s.lane, "ph": "X", "pid": self.rank, "tid": _LANES[s.lane],
                     "ts": s.start_ns / 1e3, "dur": (s.end_ns - s.start_ns) / 1e3} for s in self.spans]
         return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+class _Spanning:
+    """`StepTimeline.span`'s context: a class, not a generator, as it is entered around every
+    instruction of a step."""
+
+    __slots__ = ("timeline", "name", "lane", "kind", "start")
+
+    def __init__(self, timeline: StepTimeline, name: str, lane: str, kind: str | None):
+        self.timeline, self.name, self.lane, self.kind = timeline, name, lane, kind
+
+    def __enter__(self) -> None:
+        timeline = self.timeline
+        self.start = timeline.clock.stamp()
+        if self.lane == COMPUTE:
+            timeline._task_depth += 1
+
+    def __exit__(self, *exc) -> None:
+        timeline = self.timeline
+        end = timeline.clock.stamp()
+        if self.lane == COMPUTE:
+            timeline._task_depth -= 1
+        timeline.spans.append(Span(self.name, self.lane, self.start, end, timeline._task_depth > 0, self.kind))
 
 
 # The timeline of the step running in this context, if any: the timed collectives record on it.
