@@ -58,6 +58,7 @@ class _HeldBytes:
         self.peak_parts = dict(self.parts)
         self.peak_total = 0
         self.activation_peak = 0
+
     def add(self, key: Key, value) -> int | None:
         """Count `value` set under `key`; the storage (`storage_key`) it is counted on, or
         None where it is not counted (not a tensor, or the step's input)."""
@@ -123,6 +124,7 @@ class _HeldBytes:
                                "task_temporaries": peak.made}
 
     def profile(self) -> "_MemoryProfile":
+        """What the run made at its peak, as counted so far."""
         return _MemoryProfile(self.peak_total, dict(self.peak_parts), self.activation_peak)
 
 
