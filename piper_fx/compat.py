@@ -55,8 +55,9 @@ from torch._guards import CompileContext  # noqa: F401
 # the planned order of collectives), and its collective bucketing passes.
 from torch._inductor import config as inductor_config  # noqa: F401
 from torch._inductor.compile_fx import compile_fx_inner  # noqa: F401
-# Which vector ISA Inductor's C++ code builds for, probed once per process (cached).
-from torch._inductor.cpu_vec_isa import valid_vec_isa_list  # noqa: F401
+# Which vector ISA Inductor's C++ code builds for, probed once per process (cached), and
+# each ISA's own check (`bool(isa)`, cached per ISA), with the ISAs this x86 CPU claims.
+from torch._inductor.cpu_vec_isa import supported_vec_isa_list, valid_vec_isa_list, x86_isa_checker  # noqa: F401
 from torch._inductor.decomposition import select_decomp_table  # noqa: F401
 from torch._inductor.fx_passes import bucketing  # noqa: F401
 from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: F401

@@ -92,3 +92,21 @@ def test_inductor_keeps_the_planned_overlap_of_a_collective():
         order = pool.apply(_compiled_order)
     # Inductor's memory reordering would put the wait right after the all-to-all.
     assert order == ["all_to_all_single", "extern_kernels.mm", "extern_kernels.mm", "wait_tensor"], order
+
+
+def test_the_warm_up_probes_each_vector_isa_side_by_side_and_finds_what_inductor_finds():
+    """The warm-up thread runs each ISA's check in a thread of its own (the checks are
+    independent and cached per ISA); Inductor's list of valid ISAs is then the one a process
+    probing them one after the other finds. Each side in a fresh process: the probe is cached
+    per process."""
+    import subprocess
+    import sys
+
+    probe = ("import torch; from piper_fx.codegen import inductor as i; from piper_fx.compat import "
+             "valid_vec_isa_list; {}; print([str(isa) for isa in valid_vec_isa_list()])")
+    side_by_side = "i.WarmUp(torch.device('cpu')).wait(); import platform; assert i._x86_candidates() or " \
+                   "platform.machine() not in ('x86_64', 'AMD64')"
+    found = [subprocess.run([sys.executable, "-c", probe.format(setup)], capture_output=True, text=True,
+                            check=True).stdout.strip().splitlines()[-1]
+             for setup in (side_by_side, "pass")]
+    assert found[0] == found[1] and found[0] != "[]", found
