@@ -61,6 +61,38 @@ def test_seed_scaling_and_accumulation_follow_autograd():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_gradients_reach_parameters_as_autograd_delivers_them():
+    """The step adds most gradients into `.grad` itself; where that would differ from
+    autograd (autograd.grad, backward(inputs=...), hooks) they go through autograd."""
+    model, reference = _model(tied=False), _model(tied=False)
+    step = torch.compile(model, backend="piper", options=EAGER)
+    x, y = global_batch(0, 2, model.cfg)
+    params, ref_params = list(model.parameters()), list(reference.parameters())
+
+    grads = torch.autograd.grad(step(x, y), params[:3])
+    ref_grads = torch.autograd.grad(reference(x, y), ref_params[:3])
+    torch.testing.assert_close(grads, ref_grads, rtol=1e-5, atol=1e-7)
+    assert all(p.grad is None for p in params)
+
+    step(x, y).backward(inputs=params[2:5])
+    reference(x, y).backward(inputs=ref_params[2:5])
+    assert [p.grad is not None for p in params] == [q.grad is not None for q in ref_params]
+    assert sum(p.grad is not None for p in params) == 3
+
+    seen = []
+    for ps in (params, ref_params):
+        for p in ps:
+            p.grad = None
+        ps[0].register_hook(lambda grad: 2 * grad)
+        ps[1].register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    step(x, y).backward()
+    reference(x, y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref_params):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert len(seen) == 2
+    torch.testing.assert_close(seen[0], seen[1], rtol=1e-5, atol=1e-7)
+
+
 def test_inference_under_no_grad_runs_forward_only():
     model = _model()
     step = torch.compile(model, backend="piper", options=EAGER)

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..compat import ProfilerEventType, TorchDispatchMode, tree_leaves
+from ..compat import ProfilerEventType, TorchDispatchMode, local_tensor, tree_leaves
 from ..ops import RECOMPUTES
 
 # The parts of a step's peak memory, in the order they are reported:
@@ -48,7 +48,7 @@ def storage_key(tensor: torch.Tensor) -> int:
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
 
 
 def storage_bytes(tensors: Iterable[object]) -> int:

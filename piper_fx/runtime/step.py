@@ -7,8 +7,11 @@ and returns the replica's loss (the mean over microbatches) attached to
 autograd through `_StepFunction`. `loss.backward()` then hands each input its
 gradient scaled by the incoming seed (gradients are linear in it), so
 `(2 * loss).backward()` and accumulation over several calls behave as in
-PyTorch. Inputs without a gradient on this rank (parameters of stages it does
-not hold, non-differentiable inputs) keep `grad is None`.
+PyTorch: a parameter's is added into its `.grad` by the step itself, as FSDP2
+does, unless autograd must deliver it (`torch.autograd.grad`,
+`backward(inputs=...)`, gradient hooks; `_hand_over`). Inputs without a gradient
+on this rank (parameters of stages it does not hold, non-differentiable inputs)
+keep `grad is None`.
 
 A call whose batch arguments differ from those the step was compiled for (type,
 device, dtype, shape) is a `PiperError` saying what was expected, raised
@@ -22,11 +25,12 @@ from typing import Sequence
 
 import torch
 
+from ..compat import accumulates_in_this_backward, has_grad_hooks
 from ..debug import DebugDump
 from ..errors import PiperError
 from ..ir import GraphInput, GraphOutput, InputRole, OutputRole
 from ..philox import StepRandomness
-from ..sharding.dtensor_params import parameter_grad, program_tensor
+from ..sharding.dtensor_params import accumulate_grad, parameter_grad, program_tensor
 from . import failures
 from .executor import ProgramExecutor, StepRun
 from .memory import optimizer_state_bytes, record_optimizer_state, storage_bytes
@@ -108,6 +112,9 @@ class CompiledStep:
         tensors = executor.compiled_tensors
         self.batch_tensors = {i.arg_index: tensors[i.name] for i in self.inputs
                               if i.role is InputRole.INPUT and i.name in tensors}
+        # The parameters and buffers (their program value's key, their argument's index): held throughout.
+        self.held_inputs = [((i.name, None), i.arg_index) for i in self.inputs
+                            if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)]
 
     def _microbatches(self, arg: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Its shape is the compiled one (`_check_arguments`), whose dim 0 capture checked divides.
@@ -138,9 +145,8 @@ class CompiledStep:
         buffers (none for those of pipeline stages this rank does not run, released when
         the step was compiled) as the program reads them (`values`), their optimizer
         state, and their gradients from before."""
-        inputs = [i for i in self.inputs if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)]
-        parameters = [args[i.arg_index] for i in inputs]
-        return {"parameters": storage_bytes(values[(i.name, None)] for i in inputs),
+        parameters = [args[index] for _, index in self.held_inputs]
+        return {"parameters": storage_bytes(values[key] for key, _ in self.held_inputs),
                 "optimizer_state": optimizer_state_bytes(parameters),
                 "gradients": storage_bytes(p.grad for p in parameters)}
 
@@ -219,4 +225,29 @@ class _StepFunction(torch.autograd.Function):
         # and a copy of every one would be held beside it.
         if grads:
             torch._foreach_mul_(list(grads.values()), loss_seed)
-        return (None, *(parameter_grad(arg, grads[i]) if i in grads else None for i, arg in enumerate(args)))
+        return (None, *_hand_over(args, grads, ctx.next_functions))
+
+
+def _hand_over(args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
+               edges: Sequence[tuple]) -> list[torch.Tensor | None]:
+    """What `_StepFunction.backward` returns for `args`, given the program's gradients by
+    argument index and the autograd edges of the tensor arguments, in order (the
+    backward node's `next_functions`: the node each one's gradient goes to).
+
+    A leaf (a parameter) that this backward accumulates into and that has no hooks gets
+    its gradient added into `.grad` here (`accumulate_grad`, as FSDP2 does for its
+    sharded parameters) and autograd gets None for it: through autograd, every DTensor
+    gradient would pay DTensor's dispatch. Every other argument's gradient goes through
+    autograd as PyTorch delivers it: under `torch.autograd.grad`, for leaves
+    `backward(inputs=...)` leaves out, to `register_hook` and
+    `register_post_accumulate_grad_hook` hooks, and to non-leaf inputs."""
+    remaining = iter(edges)
+    nodes = [next(remaining)[0] if isinstance(arg, torch.Tensor) else None for arg in args]
+    out: list[torch.Tensor | None] = [None] * len(args)
+    for index, grad in grads.items():
+        arg, node = args[index], nodes[index]
+        if accumulates_in_this_backward(node) and not has_grad_hooks(arg):
+            accumulate_grad(arg, grad)
+        else:
+            out[index] = parameter_grad(arg, grad)
+    return out
