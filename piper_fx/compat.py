@@ -79,11 +79,18 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh._flatten(name)
 
 
+# DTensor's constructor without its `__init__` (which does nothing but passes Dynamo's
+# disable wrapper, 1.5 of its 2.5 microseconds); torch 2.11 may lack it.
+_NEW_DTENSOR = getattr(torch.Tensor, "_dtensor__new__", None)
+
+
 def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:
     """A DTensor with `like`'s mesh, placements, global shape and stride (its spec) holding
     `local`, this rank's piece of `like.to_local()`'s shape and dtype. Public would be
     `DTensor.from_local(local, mesh, placements, shape=..., stride=...)`, an autograd
     Function costing ten times more, paid per parameter and step."""
+    if _NEW_DTENSOR is not None:
+        return _NEW_DTENSOR(DTensor, local, like._spec, requires_grad=False)
     return DTensor(local, like._spec, requires_grad=False)
 
 
