@@ -1,0 +1,96 @@
+"""Where one rank's data-parallel step goes: piper_fx ZeRO-0 against DDP + torch.compile, phase by phase.
+
+    python benchmarks/step_split.py [--nproc 2] [--steps 150]
+
+Builds both sides as `compare.py` does (the example GPT, AdamW with foreach) in
+the same ranks and alternates their steps one by one, then prints, per side,
+the median over the steps (after 5 warm-up steps) of each phase of rank 0's
+step: the model call, `loss.backward()`, `optimizer.step()`, `zero_grad()`
+and their total; for piper_fx also its program's own time inside the call
+(`last_step_stats()["step_s"]`; the rest of the call is Dynamo's entry and
+guards and the step's set-up). DDP's call is its forward; its backward holds
+the gradient all-reduces. A measurement, not a test: nothing here asserts a time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor_cache"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import compare  # noqa: E402
+import piper_fx  # noqa: E402
+
+WARMUP = 5
+PHASES = ("call", "backward", "optimizer", "zero_grad", "total")
+
+
+def run(rank: int, world: int, init_file: str, steps: int, per_rank: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    torch.set_num_threads(1)
+    makers = {"piper_fx zero=0": compare.piper({"zero": 0, "codegen": "inductor"}), "DDP + compile": compare.ddp(True)}
+    sides = {}
+    for name, make in makers.items():
+        torch.manual_seed(0)
+        step, params = make(compare.GPT(compare.CFG))
+        params = list(params)
+        sides[name] = (step, torch.optim.AdamW(params, lr=1e-3, foreach=True))
+    times = {name: {phase: [] for phase in (*PHASES, "program")} for name in sides}
+    for i in range(WARMUP + steps):
+        x, y = compare.batch(i, per_rank * world)
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        for name in (list(sides) if i % 2 else list(sides)[::-1]):
+            step, opt = sides[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = step(x, y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            opt.zero_grad()
+            t4 = time.perf_counter()
+            if i < WARMUP:
+                continue
+            for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+                times[name][phase].append(seconds)
+            if name.startswith("piper_fx"):
+                times[name]["program"].append(piper_fx.last_step_stats()["step_s"])
+    if rank == 0:
+        print(f"{world} CPU ranks (gloo), GPT {compare.CFG.n_layer}x{compare.CFG.n_embd}, {per_rank} sequences "
+              f"per rank, rank 0's phases, median of {steps} alternating steps, ms")
+        print(f"{'side':18s}" + "".join(f"{phase:>11s}" for phase in (*PHASES, "program")))
+        for name, phases in times.items():
+            print(f"{name:18s}" + "".join(f"{statistics.median(v) * 1e3:11.2f}" if v else f"{'':>11s}"
+                                          for v in phases.values()))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--per-rank-batch", type=int, default=8)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(run, args=(args.nproc, os.path.join(tmp, "rendezvous"), args.steps, args.per_rank_batch),
+                 nprocs=args.nproc)
+
+
+if __name__ == "__main__":
+    main()
