@@ -2,7 +2,7 @@
 import pytest
 
 from ranks import run_ranks
-from training import parity_worker, unsynchronized_init_worker
+from training import gradient_delivery_worker, parity_worker, unsynchronized_init_worker
 
 LOSS_RTOL = 1e-5
 SGD_PARAM_RTOL = 1e-5
@@ -64,3 +64,14 @@ def test_numerics_do_not_depend_on_bucket_size_or_overlap(zero, overlap):
     options = {"zero": zero, "codegen": "eager", "bucket_mb": 0.002, "overlap": overlap, "prefetch": 2}
     for run in run_ranks(train_and_compare, 2, options, "sgd", 3):
         assert max(run["loss_errors"]) < LOSS_RTOL and max(run["param_errors"].values()) < SGD_PARAM_RTOL
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_gradients_reach_dtensor_parameters_as_autograd_delivers_them(zero):
+    """ZeRO-0's Replicate() and ZeRO-3's padded Shard(0) parameters: `(3 * loss).backward()`,
+    accumulation over calls and into zeroed gradients (added by the step itself), and
+    `torch.autograd.grad` (through autograd, `.grad` untouched) all give single-process
+    gradients on the global batch."""
+    for rank, result in enumerate(run_ranks(gradient_delivery_worker, 2, zero)):
+        assert max(result["errors"].values()) < 1e-5, (rank, result["errors"])
+        assert result["same placements"] and result["untouched"] and result["dtensor grads"], (rank, result)

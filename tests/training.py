@@ -159,6 +159,48 @@ def parity_worker(rank: int, world: int, options: dict, tied: bool) -> dict:
     return {name: train_and_compare(rank, world, options, name, tied=tied) for name in ("sgd", "adamw")}
 
 
+def gradient_delivery_worker(rank: int, world: int, zero: int) -> dict:
+    """Gradients of DTensor parameters as autograd would give them, against one model on the
+    global batch: scaled and accumulated over two calls into `.grad` (the step adds them
+    itself), added into zeroed gradients, and returned by `torch.autograd.grad` without
+    touching `.grad`. The worst relative error of each, over parameters (full tensors)."""
+    cfg = GPTConfig(**SMALL, tied_embeddings=True)
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    torch.manual_seed(0)
+    model = piper_fx.prepare(GPT(cfg), {"zero": zero, "codegen": "eager"})
+    step = torch.compile(model, backend="piper", options={"zero": zero, "codegen": "eager"})
+    params, ref_params = list(model.parameters()), list(reference.parameters())
+    batches = [global_batch(i, 2 * world, cfg) for i in range(2)]
+    shards = [(x.chunk(world)[rank], y.chunk(world)[rank]) for x, y in batches]
+
+    def worst(grads, ref_grads) -> float:
+        return max(relative_error(g.full_tensor() if isinstance(g, DTensor) else g, r)
+                   for g, r in zip(grads, ref_grads, strict=True))
+
+    errors = {}
+    (3.0 * step(*shards[0])).backward()
+    step(*shards[1]).backward()
+    (3.0 * reference(*batches[0])).backward()
+    reference(*batches[1]).backward()
+    errors["scaled and accumulated"] = worst([p.grad for p in params], [q.grad for q in ref_params])
+    placements = {str(p.grad.placements) == str(p.placements) for p in params}
+
+    for p in (*params, *ref_params):
+        p.grad.zero_()
+    step(*shards[0]).backward()
+    reference(*batches[0]).backward()
+    errors["into zeroed gradients"] = worst([p.grad for p in params], [q.grad for q in ref_params])
+
+    before = [local(p.grad).clone() for p in params]
+    grads = torch.autograd.grad(step(*shards[1]), params)
+    ref_grads = torch.autograd.grad(reference(*batches[1]), ref_params)
+    errors["autograd.grad"] = worst(grads, ref_grads)
+    untouched = all(torch.equal(local(p.grad), b) for p, b in zip(params, before))
+    return {"errors": errors, "same placements": placements == {True}, "untouched": untouched,
+            "dtensor grads": all(isinstance(g, DTensor) for g in grads)}
+
+
 def zero3_memory_worker(rank: int, world: int, zero: int, overlap: bool = False, n_layer: int = 2,
                         model: str = "gpt", prefetch: int = 1, steps: int = 3) -> dict:
     """Peak bytes of gathered (full) parameters alive at once in each of `steps` training steps,
