@@ -62,8 +62,9 @@ def test_seed_scaling_and_accumulation_follow_autograd():
 
 
 def test_gradients_reach_parameters_as_autograd_delivers_them():
-    """The step adds most gradients into `.grad` itself; where that would differ from
-    autograd (autograd.grad, backward(inputs=...), hooks) they go through autograd."""
+    """autograd.grad, backward(inputs=...) and gradient hooks see the step's gradients as
+    they would an eager model's (plain parameters at world size 1; DTensor ones, whose
+    gradients the step adds into `.grad` itself where autograd would, in test_parity)."""
     model, reference = _model(tied=False), _model(tied=False)
     step = torch.compile(model, backend="piper", options=EAGER)
     x, y = global_batch(0, 2, model.cfg)

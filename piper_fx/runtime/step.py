@@ -7,8 +7,8 @@ and returns the replica's loss (the mean over microbatches) attached to
 autograd through `_StepFunction`. `loss.backward()` then hands each input its
 gradient scaled by the incoming seed (gradients are linear in it), so
 `(2 * loss).backward()` and accumulation over several calls behave as in
-PyTorch: a parameter's is added into its `.grad` by the step itself, as FSDP2
-does, unless autograd must deliver it (`torch.autograd.grad`,
+PyTorch: a DTensor parameter's is added into its `.grad` by the step itself, as
+FSDP2 does, unless autograd must deliver it (`torch.autograd.grad`,
 `backward(inputs=...)`, gradient hooks; `_hand_over`). Inputs without a gradient
 on this rank (parameters of stages it does not hold, non-differentiable inputs)
 keep `grad is None`.
@@ -24,6 +24,7 @@ import json
 from typing import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..compat import accumulates_in_this_backward, has_grad_hooks
 from ..debug import DebugDump
@@ -234,11 +235,12 @@ def _hand_over(args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
     argument index and the autograd edges of the tensor arguments, in order (the
     backward node's `next_functions`: the node each one's gradient goes to).
 
-    A leaf (a parameter) that this backward accumulates into and that has no hooks gets
-    its gradient added into `.grad` here (`accumulate_grad`, as FSDP2 does for its
-    sharded parameters) and autograd gets None for it: through autograd, every DTensor
-    gradient would pay DTensor's dispatch. Every other argument's gradient goes through
-    autograd as PyTorch delivers it: under `torch.autograd.grad`, for leaves
+    A DTensor leaf (a parameter) that this backward accumulates into and that has no
+    hooks gets its gradient added into `.grad` here (`accumulate_grad`, as FSDP2 does for
+    its sharded parameters) and autograd gets None for it: through autograd, every
+    DTensor gradient would pay DTensor's dispatch. Every other argument's gradient goes
+    through autograd as PyTorch delivers it: a plain tensor's (autograd's own
+    accumulation is cheaper), under `torch.autograd.grad`, for leaves
     `backward(inputs=...)` leaves out, to `register_hook` and
     `register_post_accumulate_grad_hook` hooks, and to non-leaf inputs."""
     remaining = iter(edges)
@@ -246,7 +248,7 @@ def _hand_over(args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
     out: list[torch.Tensor | None] = [None] * len(args)
     for index, grad in grads.items():
         arg, node = args[index], nodes[index]
-        if accumulates_in_this_backward(node) and not has_grad_hooks(arg):
+        if isinstance(arg, DTensor) and accumulates_in_this_backward(node) and not has_grad_hooks(arg):
             accumulate_grad(arg, grad)
         else:
             out[index] = parameter_grad(arg, grad)

@@ -135,17 +135,17 @@ def parameter_grad(parameter: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return dtensor_like(grad, parameter)
 
 
-def accumulate_grad(parameter: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add the program's gradient `grad` for the leaf `parameter` (of `program_tensor`'s
-    shape) into `parameter.grad`, as autograd's AccumulateGrad would, the way FSDP2's
-    post-backward hands its sharded parameters their gradients: with none yet, `grad`
-    (without the padding rows, in the parameter's dtype and strides) becomes the
-    gradient, a DTensor of the parameter's spec for a DTensor; else it is added in place.
+def accumulate_grad(parameter: DTensor, grad: torch.Tensor) -> None:
+    """Add the program's gradient `grad` for the leaf DTensor `parameter` (of
+    `program_tensor`'s shape) into `parameter.grad`, as autograd's AccumulateGrad would,
+    the way FSDP2's post-backward hands its sharded parameters their gradients: with none
+    yet, `grad` (without the padding rows, in the parameter's dtype and strides) becomes
+    the gradient, a DTensor of the parameter's spec; else it is added in place.
 
-    Through autograd every DTensor gradient pays DTensor's dispatch twice (the engine's
-    checks and AccumulateGrad's detach), about 15 microseconds a parameter and step."""
-    is_dtensor = isinstance(parameter, DTensor)
-    local = local_tensor(parameter) if is_dtensor else parameter
+    Through autograd every DTensor gradient pays DTensor's dispatch (the engine's checks
+    and AccumulateGrad's detach): about 15 microseconds a parameter and step, where this
+    takes 3. A plain tensor's costs autograd about 1, less than this would."""
+    local = local_tensor(parameter)
     if local.dim() and grad.shape[0] != local.shape[0]:
         grad = grad.narrow(0, 0, local.shape[0])
     if grad.dtype != local.dtype:
@@ -155,11 +155,11 @@ def accumulate_grad(parameter: torch.Tensor, grad: torch.Tensor) -> None:
         if grad.stride() != local.stride() and _strides_differ(grad, local):
             grad = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype,
                                        device=local.device).copy_(grad)
-        parameter.grad = dtensor_like(grad, parameter) if is_dtensor else grad
-    elif is_dtensor and isinstance(existing, DTensor) and existing.placements == parameter.placements:
+        parameter.grad = dtensor_like(grad, parameter)
+    elif isinstance(existing, DTensor) and existing.placements == parameter.placements:
         local_tensor(existing).add_(grad)
     else:
-        existing.add_(dtensor_like(grad, parameter) if is_dtensor else grad)
+        existing.add_(dtensor_like(grad, parameter))
 
 
 def _strides_differ(grad: torch.Tensor, like: torch.Tensor) -> bool:
