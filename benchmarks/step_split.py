@@ -1,6 +1,6 @@
 """Where one rank's data-parallel step goes: piper_fx ZeRO-0 against DDP + torch.compile, phase by phase.
 
-    python benchmarks/step_split.py [--nproc 2] [--steps 150]
+    python benchmarks/step_split.py [--nproc 2] [--steps 150] [--skip-guards]
 
 Builds both sides as `compare.py` does (the example GPT, AdamW with foreach) in
 the same ranks and alternates their steps one by one, then prints, per side,
@@ -38,7 +38,7 @@ WARMUP = 5
 PHASES = ("call", "backward", "optimizer", "zero_grad", "total")
 
 
-def run(rank: int, world: int, init_file: str, steps: int, per_rank: int) -> None:
+def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_guards: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
@@ -56,8 +56,10 @@ def run(rank: int, world: int, init_file: str, steps: int, per_rank: int) -> Non
         for name in (list(sides) if i % 2 else list(sides)[::-1]):
             step, opt = sides[name]
             dist.barrier()
+            skip = skip_guards and i >= WARMUP and name.startswith("piper_fx")
             t0 = time.perf_counter()
-            loss = step(x, y)
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):
+                loss = step(x, y)
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
@@ -73,7 +75,8 @@ def run(rank: int, world: int, init_file: str, steps: int, per_rank: int) -> Non
                 times[name]["program"].append(piper_fx.last_step_stats()["step_s"])
     if rank == 0:
         print(f"{world} CPU ranks (gloo), GPT {compare.CFG.n_layer}x{compare.CFG.n_embd}, {per_rank} sequences "
-              f"per rank, rank 0's phases, median of {steps} alternating steps, ms")
+              f"per rank, rank 0's phases, median of {steps} alternating steps, ms"
+              + (", piper_fx's Dynamo guards skipped after warm-up" if skip_guards else ""))
         print(f"{'side':18s}" + "".join(f"{phase:>11s}" for phase in (*PHASES, "program")))
         for name, phases in times.items():
             print(f"{name:18s}" + "".join(f"{statistics.median(v) * 1e3:11.2f}" if v else f"{'':>11s}"
@@ -86,9 +89,14 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--per-rank-batch", type=int, default=8)
+    parser.add_argument("--skip-guards", action="store_true",
+                        help="after the warm-up, call piper_fx's step under torch.compiler.set_stance("
+                             "skip_guard_eval_unsafe=True): how much of its call is Dynamo's guards (DDP's "
+                             "compiled frames recompile under that stance)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(run, args=(args.nproc, os.path.join(tmp, "rendezvous"), args.steps, args.per_rank_batch),
+        mp.spawn(run, args=(args.nproc, os.path.join(tmp, "rendezvous"), args.steps, args.per_rank_batch,
+                               args.skip_guards),
                  nprocs=args.nproc)
 
 
