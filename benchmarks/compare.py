@@ -15,7 +15,8 @@ profiler's memory events), peak RSS per rank, compile time (first step with a
 cold Inductor cache, and again in a fresh Dynamo with the cache warm), and the
 loss after the last step (which must match); and piper_fx's runtime: the share
 of its step spent outside tasks and waits (`last_step_stats()["runtime_fraction"]`)
-and that time per instruction of its program.
+and that time per instruction of its program, each the median over its timed steps
+(the largest rank's).
 Both sides step AdamW with its foreach implementation (`--foreach on`, as on
 GPUs by default; `off` is torch's CPU default, a loop over parameters, where
 each op on a DTensor parameter (piper_fx's, FSDP2's) pays DTensor's dispatch).
@@ -143,6 +144,7 @@ def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: 
         for side in sides:
             side.run(i)
     medians: list[list[float]] = [[] for _ in sides]
+    runtime: list[tuple[float, float]] = []  # the piper_fx side's timed steps: (runtime share, us per instruction)
     i = WARMUP
     for r in range(rounds):
         order = list(enumerate(sides)) if r % 2 == 0 else list(enumerate(sides))[::-1]
@@ -150,13 +152,14 @@ def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: 
         for _ in range(steps):
             for index, side in order:
                 times[index].append(side.run(i))
+                if index == 0:  # the native sides run no piper_fx program
+                    stats = piper_fx.last_step_stats()
+                    runtime.append((stats["runtime_fraction"], stats["runtime_s"] / stats["instructions"] * 1e6))
             i += 1
         for index in range(len(sides)):
             medians[index].append(statistics.median(times[index]))
-    # The piper_fx side's last step (the native sides run no piper_fx program): the runtime's own share.
-    stats = piper_fx.last_step_stats()
-    results[0].update(runtime_fraction=stats["runtime_fraction"],
-                      runtime_us_per_instruction=stats["runtime_s"] / stats["instructions"] * 1e6)
+    results[0].update(runtime_fraction=statistics.median(share for share, _ in runtime),
+                      runtime_us_per_instruction=statistics.median(us for _, us in runtime))
     for side, result, rounds_s in zip(sides, results, medians):
         loss = side.loss.clone()
         dist.all_reduce(loss)

@@ -5,6 +5,7 @@ rank's names the rank that failed first (`failures`).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import functools
@@ -205,16 +206,17 @@ def _value(name: str, microbatch: int | None) -> str:
     return name if microbatch is None else f"{name} (microbatch {microbatch})"
 
 
-def _in_flight(sends: list[Sending], memory: _HeldBytes | None) -> list[Sending]:
-    """The sends not yet completed; the tensors of the others no longer held (nor counted
-    in `memory`, if the run counts)."""
-    flying = []
-    for send in sends:
-        if not send.batch.completed(send.message):
-            flying.append(send)
-        elif memory is not None:
+def _release_completed(sends: collections.deque[Sending], memory: _HeldBytes | None) -> None:
+    """Let go of the sends that completed, oldest first, up to the first still in flight:
+    their tensors are no longer held (nor counted in `memory`, if the run counts). Sends
+    complete about in the order they were issued; asking every one in flight after every
+    instruction cost more than the rest of the instructions' bookkeeping (0.15-0.3 ms of
+    a 4-rank 1F1B step here), and one completed behind one in flight waits for it. The
+    runtime asks after each task, not after each send or receive."""
+    while sends and sends[0].batch.completed(sends[0].message):
+        send = sends.popleft()
+        if memory is not None:
             memory.release(send.wire)
-    return flying
 
 
 class _Position:
@@ -369,7 +371,7 @@ class ProgramExecutor:
              batch: P2PBatch, counting: bool) -> tuple[dict[str, torch.Tensor], _HeldBytes | None]:
         """Run the instructions; the outputs, and the bytes the run made if `counting`."""
         program = self.program
-        pending_sends: list[Sending] = []
+        pending_sends: collections.deque[Sending] = collections.deque()
         receiving: dict[Key, list[Receiving]] = {}  # receives, completed by the value's first reader
         # `batch`: the sends and receives not issued yet, those since the last other instruction.
 
@@ -429,8 +431,8 @@ class ProgramExecutor:
                     memory.hold(posted.buffer, "communication_buffers")
             if counting and not isinstance(instruction, Send):  # only runs and receives add values
                 memory.observe()
-            if pending_sends:
-                pending_sends = _in_flight(pending_sends, memory)
+            if pending_sends and isinstance(instruction, Run):  # time passed: sends may have completed
+                _release_completed(pending_sends, memory)
             if not isinstance(instruction, Run):
                 for key in self.drop_after[index]:
                     values.pop(key, None)
