@@ -69,6 +69,7 @@ def storage_bytes(tensors: Iterable[object]) -> int:
 # (`record_optimizer_state`).
 _OPTIMIZER_STATE_BYTES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _RECORDING: list = []  # the hook's handle, once installed
+_STATE_CHANGES = [0]  # how many times a parameter's count changed: a version, for sums kept of them
 
 
 def _record(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -83,8 +84,9 @@ def _record(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 recorded = _OPTIMIZER_STATE_BYTES.get(parameter)
                 if recorded is None or recorded[1] != values:
                     _OPTIMIZER_STATE_BYTES[parameter] = (storage_bytes(state.values()), values)
-            elif state is not None:  # emptied (a parameter released under a pipeline)
-                _OPTIMIZER_STATE_BYTES.pop(parameter, None)
+                    _STATE_CHANGES[0] += 1
+            elif state is not None and _OPTIMIZER_STATE_BYTES.pop(parameter, None) is not None:
+                _STATE_CHANGES[0] += 1  # emptied (a parameter released under a pipeline)
 
 
 def record_optimizer_state() -> None:
@@ -125,6 +127,12 @@ def optimizer_state_bytes(parameters: Iterable[torch.Tensor]) -> int:
     """Bytes of optimizer state held for `parameters` as of their optimizers' last steps
     (0 before the first step, or for a parameter no optimizer steps)."""
     return sum(_OPTIMIZER_STATE_BYTES.get(parameter, (0,))[0] for parameter in parameters)
+
+
+def optimizer_state_version() -> int:
+    """Changes whenever `optimizer_state_bytes` may give another sum for the same parameters
+    (an optimizer's step counted a parameter's state anew, or dropped it)."""
+    return _STATE_CHANGES[0]
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from ..philox import StepRandomness
 from ..sharding.dtensor_params import accumulate_grad, parameter_grad, program_tensor
 from . import failures
 from .executor import ProgramExecutor, StepRun
-from .memory import optimizer_state_bytes, record_optimizer_state, storage_bytes
+from .memory import optimizer_state_bytes, optimizer_state_version, record_optimizer_state, storage_bytes
 
 TRACED_STEPS = 2  # the first steps' traces go to the dumps; the second (warm) one stays
 
@@ -116,6 +116,8 @@ class CompiledStep:
         # The parameters and buffers (their program value's key, their argument's index): held throughout.
         self.held_inputs = [((i.name, None), i.arg_index) for i in self.inputs
                             if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)]
+        self._held_key: tuple = ()  # what `_held` last counted its first two parts for, and those parts
+        self._held_bytes: dict[str, int] = {}
 
     def _microbatches(self, arg: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Its shape is the compiled one (`_check_arguments`), whose dim 0 capture checked divides.
@@ -147,9 +149,15 @@ class CompiledStep:
         the step was compiled) as the program reads them (`values`), their optimizer
         state, and their gradients from before."""
         parameters = [args[index] for _, index in self.held_inputs]
-        return {"parameters": storage_bytes(values[key] for key, _ in self.held_inputs),
-                "optimizer_state": optimizer_state_bytes(parameters),
-                "gradients": storage_bytes(p.grad for p in parameters)}
+        tensors = [values[key] for key, _ in self.held_inputs]
+        # The first two parts change only with the parameters, the tensors the program reads of
+        # them, or their optimizer state: counted again only then (a tenth of a millisecond a step).
+        key = (optimizer_state_version(), *map(id, parameters), *map(id, tensors))
+        if key != self._held_key:
+            self._held_key = key
+            self._held_bytes = {"parameters": storage_bytes(tensors),
+                                "optimizer_state": optimizer_state_bytes(parameters)}
+        return {**self._held_bytes, "gradients": storage_bytes(p.grad for p in parameters)}
 
     def run_program(self, args: Sequence[torch.Tensor]):
         """Run the program on the call's arguments: (user outputs, {arg index: grad}), each
