@@ -128,7 +128,7 @@ def parameter_grad(parameter: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     if not isinstance(parameter, DTensor):
         return grad
     local = local_tensor(parameter)
-    grad = grad.narrow(0, 0, local.shape[0]) if local.dim() else grad
+    grad = _without_padding(grad, local)
     if grad.dtype != parameter.dtype:
         return DTensor.from_local(grad, parameter.device_mesh, parameter.placements, run_check=False,
                                   shape=parameter.shape, stride=parameter.stride())
@@ -146,8 +146,7 @@ def accumulate_grad(parameter: DTensor, grad: torch.Tensor) -> None:
     and AccumulateGrad's detach): about 15 microseconds a parameter and step, where this
     takes 3. A plain tensor's costs autograd about 1, less than this would."""
     local = local_tensor(parameter)
-    if local.dim() and grad.shape[0] != local.shape[0]:
-        grad = grad.narrow(0, 0, local.shape[0])
+    grad = _without_padding(grad, local)
     if grad.dtype != local.dtype:
         grad = grad.to(local.dtype)
     existing = parameter.grad
@@ -160,6 +159,14 @@ def accumulate_grad(parameter: DTensor, grad: torch.Tensor) -> None:
         local_tensor(existing).add_(grad)
     else:
         existing.add_(dtensor_like(grad, parameter))
+
+
+def _without_padding(grad: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The rows of the program's gradient `grad` (padded to the group's common shard size)
+    that this rank's `local` tensor holds."""
+    if local.dim() and grad.shape[0] != local.shape[0]:
+        return grad.narrow(0, 0, local.shape[0])
+    return grad
 
 
 def _strides_differ(grad: torch.Tensor, like: torch.Tensor) -> bool:
