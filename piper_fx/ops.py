@@ -6,6 +6,8 @@ communication behind), and the `node.meta` keys the passes leave on nodes.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -66,6 +68,16 @@ def cast_dtype(node: fx.Node) -> torch.dtype | None:
     if node.target is _TO_COPY and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
         return node.kwargs["dtype"]
     return None
+
+
+# ---- Aliases: ops whose result shares its input's data without reading it.
+def is_alias(node: fx.Node) -> bool:
+    """A view op (its schema returns an alias of its input: `view`, `split_with_sizes`,
+    `permute`, ...) or an item of a tuple result (`operator.getitem`): it reads no data, so
+    it can run whenever its input exists."""
+    if node.op != "call_function":
+        return False
+    return node.target is operator.getitem or bool(getattr(node.target, "is_view", False))
 
 
 # ---- Heavy ops: matmuls and attention, the compute a collective can hide behind.

@@ -1,5 +1,7 @@
 """Inductor code generation: C++ kernels per task, same numerics as eager."""
 
+import pytest
+
 from ranks import run_ranks
 from training import inductor_worker
 
@@ -57,8 +59,10 @@ def test_expert_parallel_with_inductor(tmp_path):
         assert "cpp_fused" in code and code.count("all_to_all_single.default(") == 2 * 2, task  # 2 MoE blocks
 
 
-def _compiled_order() -> list[str]:
-    """The generated code of a task that issues an all-to-all, multiplies, then waits."""
+def _compiled_order(collective: str) -> list[str]:
+    """The generated code of a task that issues a collective, multiplies, then waits: an
+    all-to-all whose result is read, or a bucket's all-reduce whose result leaves the task
+    as views of it (a bucket's per-gradient views)."""
     import re
 
     import torch
@@ -74,24 +78,32 @@ def _compiled_order() -> list[str]:
     c10d = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name
 
-    def task(x, y):
+    def exchange(x, y):
         exchanged = c10d.all_to_all_single(x, [2, 2], [2, 2], group)
         z = torch.mm(torch.mm(y, y), y)
         return (c10d.wait_tensor(exchanged) * 2 + z.sum(),)
 
+    def reduce(x, y):
+        reduced = c10d.all_reduce(x.reshape(-1) * 2, "avg", group)
+        z = torch.mm(torch.mm(y, y), y)
+        first, second = torch.split_with_sizes(c10d.wait_tensor(reduced), [8, 24])
+        return first, second.view(4, 6), z
+
     with FakeTensorMode():
         x, y = torch.randn(4, 8), torch.randn(16, 16)
-    gm = make_fx(task)(x, y)
+    gm = make_fx(exchange if collective == "all_to_all_single" else reduce)(x, y)
     _, source = compile_task(Task("F0", TaskKind.F, 0, gm, ["x", "y"], ["out"]))
-    return [m.group(1) for m in re.finditer(r"(all_to_all_single|wait_tensor|extern_kernels\.mm)(\.default)?\(", source)]
+    found = re.finditer(rf"({collective}_?|wait_tensor|extern_kernels\.mm)(\.default)?\(", source)
+    return [m.group(1).rstrip("_") for m in found]
 
 
-def test_inductor_keeps_the_planned_overlap_of_a_collective():
+@pytest.mark.parametrize("collective", ["all_to_all_single", "all_reduce"])
+def test_inductor_keeps_the_planned_overlap_of_a_collective(collective):
     import multiprocessing
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        order = pool.apply(_compiled_order)
-    # Inductor's memory reordering would put the wait right after the all-to-all.
-    assert order == ["all_to_all_single", "extern_kernels.mm", "extern_kernels.mm", "wait_tensor"], order
+        order = pool.apply(_compiled_order, (collective,))
+    # Inductor's memory reordering would put the wait right after the collective.
+    assert order == [collective, "extern_kernels.mm", "extern_kernels.mm", "wait_tensor"], order
 
 
 def test_the_warm_up_probes_each_vector_isa_side_by_side_and_finds_what_inductor_finds():

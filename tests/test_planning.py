@@ -164,6 +164,39 @@ def test_overlap_prefetches_each_layers_gather_during_the_previous_layer():
     assert on["F0"] >= 4 and on["B0"] >= 4, on
 
 
+def _reductions_overlapping_compute(zero: int) -> dict:
+    """The gradient reductions of ZeRO-`zero`'s backward at world 2, in buckets of a few
+    gradients: how many are issued before the task's last matmul, and how many of those
+    have a matmul between their issue and their wait."""
+    from training import plan_all_ranks
+
+    options = {"zero": zero, "codegen": "eager", "bucket_mb": 0.005}
+    programs, _ = plan_all_ranks(options, world=2, n_layer=2, batch_rows=4)
+    ops = torch.ops._c10d_functional
+    matmuls = (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)
+    nodes = list(programs[0].tasks["B0"].graph.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    last_matmul = max(position[n] for n in nodes if n.target in matmuls)
+    issued = overlapped = 0
+    for node in nodes:
+        if node.op == "call_function" and node.target in (ops.all_reduce.default, ops.reduce_scatter_tensor.default):
+            (wait,) = [u for u in node.users if u.target is ops.wait_tensor.default]
+            issued += position[node] < last_matmul
+            overlapped += any(n.target in matmuls for n in nodes[position[node] + 1:position[wait]])
+    return {"issued before the last matmul": issued, "overlapped": overlapped}
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_each_gradient_reduction_overlaps_the_rest_of_the_backward(zero):
+    # A bucket's wait moves with its per-gradient views, which read nothing: the reductions wait
+    # at the backward's end, so each runs while the backward computes the earlier layers' gradients.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        counts = pool.apply(_reductions_overlapping_compute, (zero,))
+    assert counts["issued before the last matmul"] >= 5, counts  # buckets of 5 KB: 2 layers make several
+    assert counts["overlapped"] == counts["issued before the last matmul"], counts
+
+
 def _ddp_reductions_by_task(microbatches: int) -> dict:
     from training import plan_all_ranks
 

@@ -3,9 +3,10 @@
 Requires: `dag.tasks` after `bucket_collectives` (functional collectives, each
 start followed somewhere by the `wait_tensor` of its result).
 Guarantees, when `strategy.overlap` (otherwise the graphs are left as they are):
-  - Every wait sits right before the first op that reads the collective's
-    result (gradient reductions whose result only leaves the task wait at its
-    end), so the compute in between runs while the collective is in flight.
+  - Every wait, with the views of its result (a bucket's per-tensor views),
+    sits right before the first op that reads the collective's result
+    (gradient reductions whose result only leaves the task wait at its end), so
+    the compute in between runs while the collective is in flight.
   - Parameter all-gathers are prefetched: the i-th gather of a task (with the
     parameter-only ops that fill its buffer) is issued right after the wait of
     gather i - `prefetch`, i.e. while the layer `prefetch` gathers earlier
@@ -22,17 +23,35 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..ir import TrainingDAG
-from ..ops import WAIT, collective_kind, wait_of
+from ..ops import WAIT, collective_kind, is_alias, wait_of
 from ..options import Strategy
 
 
+def _aliases(node: fx.Node) -> set[fx.Node]:
+    """The ops that only alias `node`'s result (views of it, items of those), transitively."""
+    found: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        for user in stack.pop().users:
+            if is_alias(user) and user not in found:
+                found.add(user)
+                stack.append(user)
+    return found
+
+
 def _sink_waits(graph: fx.Graph) -> None:
+    """Move each wait, with the views of its result (which read no data: a bucket's split
+    into its tensors), to right before the first op that reads the result, or the output.
+    Only later: every input of a moved node stays before it, and every user of one is a
+    moved node (kept in order) or at or after that first reader."""
     output = graph.find_nodes(op="output")[0]
     for wait in list(graph.find_nodes(op="call_function", target=WAIT)):
         order = {n: i for i, n in enumerate(graph.nodes)}
-        first_user = min(wait.users, key=order.__getitem__, default=output)
-        if first_user is not wait.next:
-            first_user.prepend(wait)
+        views = _aliases(wait)
+        readers = {user for node in (wait, *views) for user in node.users} - views
+        first_reader = min(readers, key=order.__getitem__, default=output)
+        for node in sorted((wait, *views), key=order.__getitem__):
+            first_reader.prepend(node)
 
 
 def _ancestors_after(node: fx.Node, position: int, order: dict[fx.Node, int]) -> list[fx.Node]:
