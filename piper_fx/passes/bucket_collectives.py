@@ -11,7 +11,11 @@ every rank issues the same buckets in the same order. Our policy on top: a
 ZeRO-3 parameter all-gather bucket never spans two layers (`piper_unit`), so a
 layer's parameters are gathered together and no more than a layer is held for
 a bucket; the other collectives (once-per-step gathers, gradient reductions)
-bucket by size alone. An all-gather bucket gathers from a flat copy of the
+bucket by size alone, and, as DDP's reducer does, the first bucket of a run of
+reductions (all-reduces, reduce-scatters) is at most 1 MiB
+(`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`), so the first gradients
+issued, the last layer's, start reducing while the backward has most of its
+work left. An all-gather bucket gathers from a flat copy of the
 rank's shards, not from the rank's slot of the gathered buffer as Inductor's
 own merge does: the graph then names no rank, so every rank of the group has
 the same task code, compiled once for all of them (`codegen.shared`).
@@ -19,6 +23,7 @@ the same task code, compiled once for all of them (`codegen.shared`).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from ..compat import bucketing, stable_topological_sort, tracing
@@ -40,6 +45,49 @@ def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float) -> None:
         def trace_args(inputs: list[fx.Node], group_size=group_size, group_name=group_name, dtype=dtype) -> tuple:
             return [node.meta["val"] for node in inputs], group_name, group_size, dtype
         bucketing.process_collective_bucket(gm.graph, bucket, _gather_from_flat_copy, trace_args)
+
+
+def _nbytes(collective: fx.Node) -> int:
+    """What a collective counts against a bucket's cap, as Inductor's merge counts it: the
+    larger of its input and its result."""
+    values = (collective.meta["val"], collective.all_input_nodes[0].meta["val"])
+    return max(v.numel() * v.element_size() for v in values)
+
+
+def _first_buckets(gm: fx.GraphModule, is_kind, group_key, first_mb: float) -> set[fx.Node]:
+    """DDP's first bucket of each run of reductions that Inductor's merge would bucket
+    together (adjacent in wait order, one group key): its leading collectives up to
+    `first_mb` MiB, at least one."""
+    first: set[fx.Node] = set()
+    key, size, full = None, 0, False
+    for node in gm.graph.nodes:
+        if node.target is not WAIT or not is_kind(node.args[0]):
+            continue
+        collective = node.args[0]
+        if group_key(collective) != key:
+            key, size, full = group_key(collective), 0, False
+        full = full or (size > 0 and size + _nbytes(collective) > first_mb * 2**20)
+        if not full:
+            first.add(collective)
+            size += _nbytes(collective)
+    return first
+
+
+def _bucket_reductions(gm: fx.GraphModule, bucket_mb: float) -> None:
+    """Merge the gradient reductions (reduce-scatters, all-reduces) greedily, in issue
+    order, into buckets of at most `bucket_mb`, but the first of each run, which takes at
+    most 1 MiB (`_first_buckets`): Inductor's grouping and merge, with DDP's policy."""
+    first_mb = min(bucket_mb, dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20)
+    kinds = ((bucketing.is_reduce_scatter_tensor, bucketing._rs_group_key, bucketing.bucket_reduce_scatter_by_mb,
+              lambda buckets: bucketing.merge_reduce_scatter(gm, buckets, "default")),
+             (bucketing.is_all_reduce_tensor, bucketing._ar_group_key, bucketing.bucket_all_reduce_by_mb,
+              lambda buckets: [bucketing.merge_all_reduce_bucket(gm.graph, b, "default") for b in buckets]))
+    for is_kind, group_key, group, merge in kinds:
+        first = _first_buckets(gm, is_kind, group_key, first_mb)
+        buckets = group(gm, lambda _: first_mb, lambda wait: wait.args[0] in first) \
+            + group(gm, lambda _: bucket_mb, lambda wait: is_kind(wait.args[0]) and wait.args[0] not in first)
+        if buckets:
+            merge(buckets)
 
 
 def _gather_from_flat_copy(inputs: list, group_name: str, group_size: int, dtype: torch.dtype) -> list:
@@ -73,8 +121,7 @@ def bucket_collectives(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
         for task in dag.tasks:
             gm = task.graph
             _bucket_all_gathers(gm, strategy.bucket_mb)
-            bucketing.bucket_reduce_scatter(gm, lambda _: strategy.bucket_mb, "default")
-            bucketing.bucket_all_reduce(gm, lambda _: strategy.bucket_mb, "default")
+            _bucket_reductions(gm, strategy.bucket_mb)
             _wait_with_functional_collectives(gm)
             stable_topological_sort(gm.graph)  # keeps each collective where it was, where valid
             gm.graph.lint()
