@@ -78,6 +78,10 @@ class TaskKind(enum.Enum):
         return cls(action.value)
 
 
+# The kinds of a stage's backward tasks: its whole backward, or the two parts a split one makes.
+BACKWARD_KINDS = (TaskKind.B, TaskKind.I, TaskKind.W)
+
+
 @dataclass
 class Task:
     """A compute chunk: runs `graph` on the values named `inputs`, producing `outputs`.

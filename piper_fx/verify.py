@@ -31,7 +31,7 @@ from typing import Callable, Hashable, Iterable, Sequence
 
 import torch.fx as fx
 
-from .ir import Level, RankProgram, Recv, Run, Send, TaskKind, TrainingDAG, value_label
+from .ir import BACKWARD_KINDS, Level, RankProgram, Recv, Run, Send, TaskKind, TrainingDAG, value_label
 from .ops import collective_kind
 from .options import Strategy
 from .schedules import ScheduleError, validate
@@ -339,14 +339,13 @@ def staged_problems(dag: TrainingDAG) -> list[str]:
         except ScheduleError as e:
             problems.append(f"schedule {schedule.name}: {e}")
         held = {(task.stage, task.kind) for task in dag.tasks}
-        backward = (TaskKind.B, TaskKind.I, TaskKind.W)
         missing: dict[tuple[int, TaskKind], str] = {}
         for rank, row in enumerate(schedule.actions):
             for action in row:
                 stage, kind = schedule.model_stage(action.stage), TaskKind.of(action.kind)
                 # A split backward's part may be empty (a first stage has no input gradient),
                 # and a stage's B stands for its I and W until `split_backward`.
-                split = kind in backward[1:] and any((stage, k) in held for k in backward)
+                split = kind in BACKWARD_KINDS[1:] and any((stage, k) in held for k in BACKWARD_KINDS)
                 if (stage, kind) not in held and not split:
                     missing.setdefault((stage, kind),
                                        f"schedule {schedule.name}: action {action} of pipeline rank {rank}")
@@ -358,7 +357,7 @@ def staged_problems(dag: TrainingDAG) -> list[str]:
             made_by.setdefault(name, []).append(task)
     for name, tasks in made_by.items():
         if len(tasks) > 1 and not (len({t.stage for t in tasks}) == 1
-                                   and all(t.kind in (TaskKind.B, TaskKind.I, TaskKind.W) for t in tasks)):
+                                   and all(t.kind in BACKWARD_KINDS for t in tasks)):
             problems.append(f"{name} is made by tasks {', '.join(t.name for t in tasks)}")
     for task in dag.tasks:
         for name in task.inputs:

@@ -107,7 +107,7 @@ def test_bucket_size_sets_the_number_of_collectives(tmp_path, world):
     assert counts[25]["F0"]["all_gather_into_tensor"] == 6
 
 
-def _all_reduce_bucket_sizes(bucket_mb: float) -> list[int]:
+def _all_reduce_bucket_sizes(bucket_mb: float, small_first: bool = True) -> list[int]:
     """The bytes of each all-reduce after bucketing 12 gradients of 256 KiB, reduced in issue order."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -129,7 +129,7 @@ def _all_reduce_bucket_sizes(bucket_mb: float) -> list[int]:
             grads = [torch.randn(256, 256) for _ in range(12)]
         gm = make_fx(backward)(*grads)
         with tracing(None):
-            _bucket_reductions(gm, bucket_mb)
+            _bucket_reductions(gm, bucket_mb, small_first)
         return [n.meta["val"].numel() * 4 for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
     finally:
         dist.destroy_process_group()
@@ -139,12 +139,15 @@ def test_gradient_buckets_are_ddps_a_small_first_one_then_bucket_mb():
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:
         sizes = {mb: pool.apply(_all_reduce_bucket_sizes, (mb,)) for mb in (25, 1.5, 0.5)}
+        epilogue = pool.apply(_all_reduce_bucket_sizes, (25, False))
     kib = 1024
     # As DDP's reducer: the first bucket (the last layer's gradients) holds at most 1 MiB, so
     # its reduction starts early in the backward; the next ones up to bucket_mb.
     assert sizes[25] == [1024 * kib, 2048 * kib], sizes
     assert sizes[1.5] == [1024 * kib, 1536 * kib, 512 * kib], sizes
     assert sizes[0.5] == [512 * kib] * 6, sizes
+    # An epilogue's reductions (once per step, after the last backward) have nothing to hide behind.
+    assert epilogue == [3072 * kib], epilogue
 
 
 def _plan_world_64() -> dict:

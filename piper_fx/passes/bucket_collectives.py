@@ -11,11 +11,12 @@ every rank issues the same buckets in the same order. Our policy on top: a
 ZeRO-3 parameter all-gather bucket never spans two layers (`piper_unit`), so a
 layer's parameters are gathered together and no more than a layer is held for
 a bucket; the other collectives (once-per-step gathers, gradient reductions)
-bucket by size alone, and, as DDP's reducer does, the first bucket of a run of
-reductions (all-reduces, reduce-scatters) is at most 1 MiB
+bucket by size alone, and, as DDP's reducer does, in a backward task the first
+bucket of a run of reductions (all-reduces, reduce-scatters) is at most 1 MiB
 (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`), so the first gradients
 issued, the last layer's, start reducing while the backward has most of its
-work left. An all-gather bucket gathers from a flat copy of the
+work left. (An epilogue's reductions have no compute left to hide behind:
+they bucket by size alone.) An all-gather bucket gathers from a flat copy of the
 rank's shards, not from the rank's slot of the gathered buffer as Inductor's
 own merge does: the graph then names no rank, so every rank of the group has
 the same task code, compiled once for all of them (`codegen.shared`).
@@ -27,7 +28,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..compat import bucketing, stable_topological_sort, tracing
-from ..ir import TrainingDAG
+from ..ir import BACKWARD_KINDS, TrainingDAG
 from ..ops import ALL_GATHER, LEGACY_WAIT, UNIT, WAIT
 from ..options import Strategy
 
@@ -73,11 +74,12 @@ def _first_buckets(gm: fx.GraphModule, is_kind, group_key, first_mb: float) -> s
     return first
 
 
-def _bucket_reductions(gm: fx.GraphModule, bucket_mb: float) -> None:
+def _bucket_reductions(gm: fx.GraphModule, bucket_mb: float, small_first: bool) -> None:
     """Merge the gradient reductions (reduce-scatters, all-reduces) greedily, in issue
-    order, into buckets of at most `bucket_mb`, but the first of each run, which takes at
-    most 1 MiB (`_first_buckets`): Inductor's grouping and merge, with DDP's policy."""
-    first_mb = min(bucket_mb, dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20)
+    order, into buckets of at most `bucket_mb`, but, with `small_first`, the first of each
+    run, which takes at most 1 MiB (`_first_buckets`): Inductor's grouping and merge, with
+    DDP's policy."""
+    first_mb = min(bucket_mb, dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20) if small_first else bucket_mb
     kinds = ((bucketing.is_reduce_scatter_tensor, bucketing._rs_group_key, bucketing.bucket_reduce_scatter_by_mb,
               lambda buckets: bucketing.merge_reduce_scatter(gm, buckets, "default")),
              (bucketing.is_all_reduce_tensor, bucketing._ar_group_key, bucketing.bucket_all_reduce_by_mb,
@@ -121,7 +123,7 @@ def bucket_collectives(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
         for task in dag.tasks:
             gm = task.graph
             _bucket_all_gathers(gm, strategy.bucket_mb)
-            _bucket_reductions(gm, strategy.bucket_mb)
+            _bucket_reductions(gm, strategy.bucket_mb, small_first=task.kind in BACKWARD_KINDS)
             _wait_with_functional_collectives(gm)
             stable_topological_sort(gm.graph)  # keeps each collective where it was, where valid
             gm.graph.lint()
