@@ -7,6 +7,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from training import SMALL, global_batch
 
@@ -107,8 +109,10 @@ def test_bucket_size_sets_the_number_of_collectives(tmp_path, world):
     assert counts[25]["F0"]["all_gather_into_tensor"] == 6
 
 
-def _all_reduce_bucket_sizes(bucket_mb: float, small_first: bool = True) -> list[int]:
-    """The bytes of each all-reduce after bucketing 12 gradients of 256 KiB, reduced in issue order."""
+def _reduction_bucket_bytes(kind: str, numels: list[int], bucket_mb: float, small_first: bool) -> list[int]:
+    """The bytes each `kind` collective counts against its bucket's cap (its input's, the
+    larger side), in issue order, after bucketing one reduction per gradient of `numels`
+    floats, issued in order. Runs on a fake process group of 2, made once per process."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -117,37 +121,75 @@ def _all_reduce_bucket_sizes(bucket_mb: float, small_first: bool = True) -> list
     from piper_fx.compat import tracing
     from piper_fx.passes.bucket_collectives import _bucket_reductions
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        c10d = torch.ops._c10d_functional
-        group = dist.group.WORLD.group_name
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    c10d = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name
+    op = c10d.all_reduce.default if kind == "all_reduce" else c10d.reduce_scatter_tensor.default
 
-        def backward(*grads):
+    def backward(*grads):
+        if kind == "all_reduce":
             return [c10d.wait_tensor(c10d.all_reduce(g * 2, "avg", group)) for g in grads]
+        return [c10d.wait_tensor(c10d.reduce_scatter_tensor(g * 2, "avg", 2, group)) for g in grads]
 
-        with FakeTensorMode():
-            grads = [torch.randn(256, 256) for _ in range(12)]
-        gm = make_fx(backward)(*grads)
-        with tracing(None):
-            _bucket_reductions(gm, bucket_mb, small_first)
-        return [n.meta["val"].numel() * 4 for n in gm.graph.nodes if n.target is c10d.all_reduce.default]
-    finally:
-        dist.destroy_process_group()
+    with FakeTensorMode():
+        grads = [torch.randn(2, numel // 2) for numel in numels]
+    gm = make_fx(backward)(*grads)
+    with tracing(None):
+        _bucket_reductions(gm, bucket_mb, small_first)
+    return [n.all_input_nodes[0].meta["val"].numel() * 4 for n in gm.graph.nodes if n.target is op]
+
+
+def _ddp_buckets(nbytes: list[int], bucket_mb: float, small_first: bool) -> list[int]:
+    """The policy, written plainly: in issue order, a bucket takes the next reduction unless that
+    would take it over its cap (so it holds at least one); the first bucket's cap is DDP's 1 MiB
+    (`bucket_mb` if smaller, or without `small_first`), the others' `bucket_mb`."""
+    first = min(bucket_mb, 1.0) if small_first else bucket_mb
+    buckets = [nbytes[0]]
+    for size in nbytes[1:]:
+        cap = first if len(buckets) == 1 else bucket_mb
+        if buckets[-1] + size > cap * 2**20:
+            buckets.append(size)
+        else:
+            buckets[-1] += size
+    return buckets
 
 
 def test_gradient_buckets_are_ddps_a_small_first_one_then_bucket_mb():
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:
-        sizes = {mb: pool.apply(_all_reduce_bucket_sizes, (mb,)) for mb in (25, 1.5, 0.5)}
-        epilogue = pool.apply(_all_reduce_bucket_sizes, (25, False))
+        sizes = {mb: pool.apply(_reduction_bucket_bytes, ("all_reduce", [65536] * 12, mb, True))
+                 for mb in (25, 1.5, 0.5)}
+        epilogue = pool.apply(_reduction_bucket_bytes, ("all_reduce", [65536] * 12, 25, False))
     kib = 1024
-    # As DDP's reducer: the first bucket (the last layer's gradients) holds at most 1 MiB, so
-    # its reduction starts early in the backward; the next ones up to bucket_mb.
+    # Twelve gradients of 256 KiB. As DDP's reducer: the first bucket (the last layer's gradients)
+    # holds at most 1 MiB, so its reduction starts early in the backward; the next ones up to bucket_mb.
     assert sizes[25] == [1024 * kib, 2048 * kib], sizes
     assert sizes[1.5] == [1024 * kib, 1536 * kib, 512 * kib], sizes
     assert sizes[0.5] == [512 * kib] * 6, sizes
     # An epilogue's reductions (once per step, after the last backward) have nothing to hide behind.
     assert epilogue == [3072 * kib], epilogue
+
+
+@st.composite
+def _reductions(draw):
+    numels = draw(st.lists(st.integers(1, 160).map(lambda k: 2048 * k), min_size=1, max_size=10))
+    return (draw(st.sampled_from(["all_reduce", "reduce_scatter"])), numels,
+            draw(st.sampled_from([0.25, 0.5, 0.75, 1.0, 1.5, 25.0])), draw(st.booleans()))
+
+
+def test_gradient_buckets_follow_the_policy_for_any_sizes_and_caps():
+    # Inductor groups and merges; the pass carves out each run's first bucket: together they must
+    # make exactly the buckets the plain policy makes, for either reduction kind.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        @settings(max_examples=30, deadline=None, derandomize=True, database=None)
+        @given(case=_reductions())
+        def check(case):
+            kind, numels, bucket_mb, small_first = case
+            got = pool.apply(_reduction_bucket_bytes, case)
+            assert got == _ddp_buckets([4 * n for n in numels], bucket_mb, small_first), (case, got)
+        check()
 
 
 def _plan_world_64() -> dict:
