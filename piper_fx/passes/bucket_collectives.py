@@ -64,13 +64,13 @@ def _first_buckets(gm: fx.GraphModule, is_kind, group_key, first_mb: float) -> s
     for node in gm.graph.nodes:
         if node.target is not WAIT or not is_kind(node.args[0]):
             continue
-        collective = node.args[0]
+        collective, nbytes = node.args[0], _nbytes(node.args[0])
         if group_key(collective) != key:
             key, size, full = group_key(collective), 0, False
-        full = full or (size > 0 and size + _nbytes(collective) > first_mb * 2**20)
+        full = full or (size > 0 and size + nbytes > first_mb * 2**20)
         if not full:
             first.add(collective)
-            size += _nbytes(collective)
+            size += nbytes
     return first
 
 
