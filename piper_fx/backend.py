@@ -12,10 +12,12 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from . import plan_cache
 from .capture import capture
 from .codegen import compile_program, warm_up
+from .compat import drop_spec_guards
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
 from .errors import PiperError
@@ -176,6 +178,12 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
                        if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)], randomness)
     seed_shape, seed_dtype, seed_device = planned.seed or (None, None, None)
     num_user_outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
+    # The step checks the placements of the DTensor parameters and buffers itself, by identity,
+    # where Dynamo would check each in Python on every call.
+    specs = {i.arg_index: example_inputs[i.arg_index]._spec for i in planned.inputs
+             if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)
+             and isinstance(example_inputs[i.arg_index], DTensor)}
+    drop_spec_guards(gm, list(specs))
     return CompiledStep(
         ProgramExecutor(program, compiled, device), planned.inputs, planned.outputs,
         seed_shape, seed_dtype, seed_device,
@@ -184,6 +192,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
          if i.role is InputRole.INPUT},
         dump,
         randomness=randomness,
+        specs=specs,
     )
 
 

@@ -120,6 +120,41 @@ def has_grad_hooks(tensor: torch.Tensor) -> bool:
     return bool(tensor._backward_hooks) or bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
 
 
+def drop_spec_guards(gm: torch.fx.GraphModule, indices: list[int]) -> int:
+    """Drop the guards Dynamo is about to install on the DTensor spec and mesh of the
+    compiled frame's graph inputs at `indices` (placeholders of `gm`): its
+    `DTENSOR_SPEC_MATCH` (a Python lambda comparing a deep copy of the spec field by
+    field) and, on the mesh, object aliasing (`a.device_mesh is b.device_mesh`, another
+    lambda) and opaque-object guards. Each costs a Python call per parameter and step,
+    which Dynamo's dict-tag fast path does not skip as it skips an unchanged plain
+    parameter's, while their type, local tensor (shape, dtype, device) and
+    `requires_grad` keep their guards in C++. For parameters whose spec the caller
+    checks itself on every call. Must run inside the backend, before Dynamo builds the
+    frame's guards; returns how many it dropped (none outside a Dynamo compile).
+    Public would be `torch.compile(..., options={"guard_filter_fn": ...})`, which only
+    the caller of `torch.compile` can pass, and which no backend can."""
+    from torch._dynamo.source import AttrSource
+
+    context = TracingContext.try_get()
+    if context is None:
+        return 0
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    sources = set()
+    for index in indices:
+        grapharg = placeholders[index].meta.get("grapharg")
+        if grapharg is not None and grapharg.source is not None:
+            sources.add(grapharg.source)
+    guards = context.guards_context.dynamo_guards
+    remove = getattr(guards, "remove_guards_with_source", None)
+    if remove is None:  # a torch without it keeps the guards: slower calls, same behaviour
+        return 0
+    before = len(guards)
+    for source in sources:
+        for member in ("_spec", "device_mesh"):
+            remove(AttrSource(source, member))
+    return before - len(guards)
+
+
 def resolve_process_group(group_name: str) -> dist.ProcessGroup:
     """The process group a functional collective names (`group_name`). Public would be
     `torch.distributed.distributed_c10d` exposing the registry; there is none."""

@@ -7,7 +7,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import piper_fx
 from examples.gpt import GPT, GPTConfig
@@ -761,9 +761,36 @@ def bad_input_worker(rank: int, world: int) -> dict:
         return _call_timed(lambda: step(*args[:tokens], tokens_value, *args[tokens + 1:])[0].backward())
 
     outcomes = {"dtype": call_with(x.int()), "device": call_with(x.to("meta")), "shape": call_with(x[:1])}
+    # A parameter placed otherwise than compiled (same global shape and local tensor), which the
+    # step checks in place of Dynamo's guards on its spec; then a new parameter with an equal spec.
+    (weight,) = [i for i, a in enumerate(args) if a is model.lm_head._parameters["weight"]]
+    replicated = args[weight]
+
+    def call_with_weight(value):
+        return _call_timed(lambda: step(*args[:weight], value, *args[weight + 1:])[0].backward())
+
+    outcomes["placement"] = call_with_weight(DTensor.from_local(
+        replicated.to_local(), replicated.device_mesh, [Shard(1)], run_check=False,
+        shape=replicated.shape, stride=replicated.stride()))
+    outcomes["equal_placement"] = call_with_weight(torch.nn.Parameter(DTensor.from_local(
+        replicated.to_local().detach(), replicated.device_mesh, [Replicate()], run_check=False)))
     outcomes["good_after_rejections"] = call_with(x)
     outcomes["dtype_on_rank_1_only"] = call_with(x.int() if rank == 1 else x)
-    return {case: outcome_of(*raised) for case, raised in outcomes.items()}
+    result = {case: outcome_of(*raised) for case, raised in outcomes.items()}
+    result["spec_guards"] = _parameter_spec_guards(model)
+    return result
+
+
+def _parameter_spec_guards(model) -> dict:
+    """Of Dynamo's guards on `model`'s compiled forward: how many read a parameter's DTensor
+    spec or mesh, and how many parameters are DTensors."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    entries = _debug_get_cache_entry_list(type(model).forward.__code__)
+    lines = [line for entry in entries for line in str(entry.guard_manager).splitlines()
+             if "_parameters[" in line and ("._spec" in line or ".device_mesh" in line)]
+    return {"frames": len(entries), "guards": len(lines), "examples": lines[:3],
+            "dtensor_parameters": sum(isinstance(p, DTensor) for p in model.parameters())}
 
 
 def recompiled_dtype_worker(rank: int, world: int) -> dict:

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..compat import accumulates_in_this_backward, has_grad_hooks
+from ..compat import DTensorSpec, accumulates_in_this_backward, has_grad_hooks
 from ..debug import DebugDump
 from ..errors import PiperError
 from ..ir import GraphInput, GraphOutput, InputRole, OutputRole
@@ -91,7 +91,7 @@ class CompiledStep:
                  seed_shape: torch.Size | None, seed_dtype: torch.dtype | None, seed_device: torch.device | None,
                  num_user_outputs: int,
                  batch_shapes: dict[int, tuple[int, ...]], dump: DebugDump | None = None,
-                 randomness: StepRandomness | None = None):
+                 randomness: StepRandomness | None = None, specs: dict[int, DTensorSpec] | None = None):
         self.executor = executor
         self.randomness = randomness  # feeds the graph's random ops (`InputRole.RNG`), if it has any
         self.dump = dump
@@ -116,6 +116,11 @@ class CompiledStep:
         # The parameters and buffers (their program value's key, their argument's index): held throughout.
         self.held_inputs = [((i.name, None), i.arg_index) for i in self.inputs
                             if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)]
+        # The DTensor spec each DTensor parameter or buffer was compiled with, by argument index:
+        # checked on every call in place of Dynamo's guards on them (`compat.drop_spec_guards`),
+        # by identity while the argument keeps its spec object, by value when it has a new one.
+        names = {i.arg_index: i.fqn or i.name for i in self.inputs}
+        self.specs = [(index, names[index], spec) for index, spec in (specs or {}).items()]
         self._held_key: tuple = ()  # what `_held` last counted its first two parts for, and those parts
         self._held_bytes: dict[str, int] = {}
 
@@ -124,7 +129,8 @@ class CompiledStep:
         return arg.chunk(self.microbatches) if self.microbatches > 1 else (arg,)
 
     def _check_arguments(self, args: Sequence[torch.Tensor]) -> None:
-        """Raise a `PiperError` for a batch argument unlike the one this step was compiled for."""
+        """Raise a `PiperError` for a batch argument unlike the one this step was compiled for,
+        or a DTensor parameter or buffer placed unlike the one it was compiled with."""
         for index, shape in self.batch_shapes.items():
             arg = args[index]
             if not isinstance(arg, torch.Tensor):
@@ -142,6 +148,17 @@ class CompiledStep:
                 raise PiperError(f"compiled argument {index} has shape {tuple(arg.shape)}, but this step "
                                  f"was compiled for {shape}: piper_fx compiles fixed batch shapes (compile "
                                  "again, e.g. a new torch.compile, for another shape)")
+        for position, (index, name, spec) in enumerate(self.specs):
+            now = getattr(args[index], "_spec", None)
+            if now is spec:
+                continue
+            if not isinstance(now, DTensorSpec) or not now._check_equals(spec):
+                placed = f"is placed {now} on {now.mesh}" if isinstance(now, DTensorSpec) else "is not a DTensor"
+                raise PiperError(f"compiled argument {index} ({name}) {placed}, but this step was compiled "
+                                 f"for {spec} on {spec.mesh}: the step's collectives were planned from the "
+                                 "placements `prepare` gave; to place it otherwise, prepare the model with "
+                                 "other options and compile again")
+            self.specs[position] = (index, name, now)  # an equal spec: checked by identity from now on
 
     def _held(self, args: Sequence[torch.Tensor], values: dict) -> dict[str, int]:
         """The memory parts held throughout a step: the storage of the parameters and
