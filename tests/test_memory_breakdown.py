@@ -65,3 +65,41 @@ def test_parameters_and_optimizer_state_are_what_the_rank_holds(runs, case):
         assert held == [runs[case][0]["model_bytes"]] * 2
     else:  # rows of every parameter (ZeRO-3) or the stages a rank runs (pipelines): about half each
         assert sum(held) >= runs[case][0]["model_bytes"] and max(held) < 0.6 * runs[case][0]["model_bytes"], held
+
+
+def test_the_optimizer_state_part_is_counted_again_only_when_the_state_is_made_loaded_or_emptied(monkeypatch):
+    # The hook after every optimizer step: constant work while steps update the state in place,
+    # a new count when a step makes state, after `load_state_dict`, and for a state emptied (as
+    # a pipeline does for the parameters of stages a rank does not run).
+    import copy
+
+    import torch
+
+    from piper_fx.runtime import memory
+
+    memory.record_optimizer_state()
+    params = [torch.nn.Parameter(torch.ones(4, 4)) for _ in range(3)]
+    adam = torch.optim.AdamW(params, lr=0.1)
+    counted = []
+    storage_bytes = memory.storage_bytes
+    monkeypatch.setattr(memory, "storage_bytes", lambda tensors: counted.append(1) or storage_bytes(tensors))
+
+    def step(optimizer, stepped=params):
+        for p in params:
+            p.grad = torch.ones_like(p) if any(p is q for q in stepped) else None
+        counted.clear()
+        optimizer.step()
+        return len(counted), memory.optimizer_state_bytes(params)
+
+    one = 2 * 16 * 4 + 4  # exp_avg and exp_avg_sq of 4x4 floats, and the step count
+    assert step(adam) == (3, 3 * one)  # the first step makes every parameter's state
+    assert step(adam) == (0, 3 * one)  # later steps update it in place
+    amsgrad = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.1, amsgrad=True)
+    for p in amsgrad.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    amsgrad.step()
+    adam.load_state_dict(copy.deepcopy(amsgrad.state_dict()))  # a state with max_exp_avg_sq too
+    assert step(adam) == (3, 3 * (one + 16 * 4))
+    assert step(adam) == (0, 3 * (one + 16 * 4))
+    adam.state[params[0]] = {}  # the others' state is as counted: nothing to count, one to drop
+    assert step(adam, stepped=params[1:]) == (0, 2 * (one + 16 * 4))

@@ -70,12 +70,28 @@ def storage_bytes(tensors: Iterable[object]) -> int:
 _OPTIMIZER_STATE_BYTES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _RECORDING: list = []  # the hook's handle, once installed
 _STATE_CHANGES = [0]  # how many times a parameter's count changed: a version, for sums kept of them
+# Optimizer -> the outline of its state (`_state_outline`) when its parameters' were last counted.
+_COUNTED_OUTLINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _state_outline(optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """What changes when an optimizer's state is made, loaded or emptied, but not when a step
+    updates it in place: its state dict (`load_state_dict` makes a new one), how many
+    parameters have state, and how many values they have in all."""
+    state = optimizer.state
+    return id(state), len(state), sum(map(len, state.values()))
 
 
 def _record(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Count the state of each parameter whose state values are not those counted last
-    (the first step, a loaded state dict): a step updates them in place, and counting
-    every parameter's after every step cost a tenth of a small model's step."""
+    (the first step, a loaded state dict, a parameter's state emptied): a step updates them
+    in place. The hook runs after every step of every optimizer in the process, so what it
+    does when the state's outline is unchanged is constant work, not per parameter (which
+    cost 45 microseconds a step for 28 parameters, 0.8 ms for 500)."""
+    outline = _state_outline(optimizer)
+    if _COUNTED_OUTLINES.get(optimizer) == outline:
+        return
+    _COUNTED_OUTLINES[optimizer] = outline
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             state = optimizer.state.get(parameter)
