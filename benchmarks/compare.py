@@ -14,9 +14,10 @@ gradients, optimizer state and the most a step allocates above them, from the
 profiler's memory events), peak RSS per rank, compile time (first step with a
 cold Inductor cache, and again in a fresh Dynamo with the cache warm), and the
 loss after the last step (which must match); and piper_fx's runtime: the share
-of its step spent outside tasks and waits (`last_step_stats()["runtime_fraction"]`)
-and that time per instruction of its program, each the median over its timed steps
-(the largest rank's).
+of its program spent outside tasks and waits (`last_step_stats()["runtime_fraction"]`),
+that time per instruction, and the share with the step's own work around its program
+added, in the call and in `loss.backward()` (`overhead_fraction`), each the median
+over its timed steps (the largest rank's).
 Both sides step AdamW with its foreach implementation (`--foreach on`, as on
 GPUs by default; `off` is torch's CPU default, a loop over parameters, where
 each op on a DTensor parameter (piper_fx's, FSDP2's) pays DTensor's dispatch).
@@ -144,7 +145,8 @@ def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: 
         for side in sides:
             side.run(i)
     medians: list[list[float]] = [[] for _ in sides]
-    runtime: list[tuple[float, float]] = []  # the piper_fx side's timed steps: (runtime share, us per instruction)
+    # The piper_fx side's timed steps: (runtime share, us per instruction, share with the step's call).
+    runtime: list[tuple[float, float, float]] = []
     i = WARMUP
     for r in range(rounds):
         order = list(enumerate(sides)) if r % 2 == 0 else list(enumerate(sides))[::-1]
@@ -154,12 +156,14 @@ def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: 
                 times[index].append(side.run(i))
                 if index == 0:  # the native sides run no piper_fx program
                     stats = piper_fx.last_step_stats()
-                    runtime.append((stats["runtime_fraction"], stats["runtime_s"] / stats["instructions"] * 1e6))
+                    runtime.append((stats["runtime_fraction"], stats["runtime_s"] / stats["instructions"] * 1e6,
+                                    stats["overhead_fraction"]))
             i += 1
         for index in range(len(sides)):
             medians[index].append(statistics.median(times[index]))
-    results[0].update(runtime_fraction=statistics.median(share for share, _ in runtime),
-                      runtime_us_per_instruction=statistics.median(us for _, us in runtime))
+    results[0].update(runtime_fraction=statistics.median(share for share, _, _ in runtime),
+                      runtime_us_per_instruction=statistics.median(us for _, us, _ in runtime),
+                      overhead_fraction=statistics.median(share for _, _, share in runtime))
     for side, result, rounds_s in zip(sides, results, medians):
         loss = side.loss.clone()
         dist.all_reduce(loss)
@@ -378,7 +382,8 @@ def main() -> None:
           f"ratio = piper / native")
     header = (f"{'pair':<31} {'piper ms':>13} {'native ms':>13} {'native':>8} {'ratio':>5} {'piper tok/s':>11} "
               f"{'piper MB':>8} {'native MB':>9} {'piper RSS':>9} {'native RSS':>10} "
-              f"{'cold s':>11} {'warm s':>11} {'runtime':>7} {'us/instr':>8} {'piper loss':>10} {'native loss':>11}"
+              f"{'cold s':>11} {'warm s':>11} {'runtime':>7} {'us/instr':>8} {'+call':>6} {'piper loss':>10} "
+              f"{'native loss':>11}"
               f"  other native")
     print(header)
     for name, ours, theirs, natives in rows:
@@ -391,6 +396,7 @@ def main() -> None:
               f"{ours['rss_mb']:9.0f} {theirs['rss_mb']:10.0f} "
               f"{ours['cold_s']:5.1f}/{theirs['cold_s']:<5.1f} {ours['warm_s']:5.1f}/{theirs['warm_s']:<5.1f} "
               f"{ours['runtime_fraction']:7.1%} {ours['runtime_us_per_instruction']:8.0f} "
+              f"{ours['overhead_fraction']:6.1%} "
               f"{ours['loss']:10.5f} {theirs['loss']:11.5f}  {others}")
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Where one rank's data-parallel step goes: piper_fx ZeRO-0 against DDP + torch.compile, phase by phase.
 
-    python benchmarks/step_split.py [--nproc 2] [--steps 150] [--skip-guards]
+    python benchmarks/step_split.py [--nproc 2] [--steps 150] [--n-layer 2] [--skip-guards]
 
 Builds both sides as `compare.py` does (the example GPT, AdamW with foreach) in
 the same ranks and alternates their steps one by one, then prints, per side,
@@ -8,12 +8,16 @@ the median over the steps (after 5 warm-up steps) of each phase of rank 0's
 step: the model call, `loss.backward()`, `optimizer.step()`, `zero_grad()`
 and their total; for piper_fx also its program's own time inside the call
 (`last_step_stats()["step_s"]`; the rest of the call is Dynamo's entry and
-guards and the step's set-up). DDP's call is its forward; its backward holds
-the gradient all-reduces. A measurement, not a test: nothing here asserts a time.
+guards and the step's set-up) and the step's own work around the program, in
+the call and in `loss.backward()` (`step_call_s`). DDP's call is its forward;
+its backward holds the gradient all-reduces. `--n-layer` sets the model's depth
+(12 parameters a block), to see what grows with the parameters. A measurement,
+not a test: nothing here asserts a time.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -38,18 +42,19 @@ WARMUP = 5
 PHASES = ("call", "backward", "optimizer", "zero_grad", "total")
 
 
-def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_guards: bool) -> None:
+def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_guards: bool, n_layer: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
     makers = {"piper_fx zero=0": compare.piper({"zero": 0, "codegen": "inductor"}), "DDP + compile": compare.ddp(True)}
+    cfg = dataclasses.replace(compare.CFG, n_layer=n_layer)
     sides = {}
     for name, make in makers.items():
         torch.manual_seed(0)
-        step, params = make(compare.GPT(compare.CFG))
+        step, params = make(compare.GPT(cfg))
         params = list(params)
         sides[name] = (step, torch.optim.AdamW(params, lr=1e-3, foreach=True))
-    times = {name: {phase: [] for phase in (*PHASES, "program")} for name in sides}
+    times = {name: {phase: [] for phase in (*PHASES, "program", "own")} for name in sides}
     for i in range(WARMUP + steps):
         x, y = compare.batch(i, per_rank * world)
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
@@ -72,12 +77,14 @@ def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_g
             for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
                 times[name][phase].append(seconds)
             if name.startswith("piper_fx"):
-                times[name]["program"].append(piper_fx.last_step_stats()["step_s"])
+                stats = piper_fx.last_step_stats()
+                times[name]["program"].append(stats["step_s"])
+                times[name]["own"].append(stats["step_call_s"])
     if rank == 0:
-        print(f"{world} CPU ranks (gloo), GPT {compare.CFG.n_layer}x{compare.CFG.n_embd}, {per_rank} sequences "
-              f"per rank, rank 0's phases, median of {steps} alternating steps, ms"
+        print(f"{world} CPU ranks (gloo), GPT {cfg.n_layer}x{cfg.n_embd} ({len(params)} parameters), "
+              f"{per_rank} sequences per rank, rank 0's phases, median of {steps} alternating steps, ms"
               + (", piper_fx's Dynamo guards skipped after warm-up" if skip_guards else ""))
-        print(f"{'side':18s}" + "".join(f"{phase:>11s}" for phase in (*PHASES, "program")))
+        print(f"{'side':18s}" + "".join(f"{phase:>11s}" for phase in (*PHASES, "program", "own")))
         for name, phases in times.items():
             print(f"{name:18s}" + "".join(f"{statistics.median(v) * 1e3:11.2f}" if v else f"{'':>11s}"
                                           for v in phases.values()))
@@ -89,6 +96,7 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--per-rank-batch", type=int, default=8)
+    parser.add_argument("--n-layer", type=int, default=compare.CFG.n_layer)
     parser.add_argument("--skip-guards", action="store_true",
                         help="after the warm-up, call piper_fx's step under torch.compiler.set_stance("
                              "skip_guard_eval_unsafe=True): how much of its call is Dynamo's guards (DDP's "
@@ -96,7 +104,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(run, args=(args.nproc, os.path.join(tmp, "rendezvous"), args.steps, args.per_rank_batch,
-                               args.skip_guards),
+                               args.skip_guards, args.n_layer),
                  nprocs=args.nproc)
 
 

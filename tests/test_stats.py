@@ -16,6 +16,12 @@ def _check_times(stats):
     assert sum(stats["comm_wait_s_by_kind"].values()) == pytest.approx(stats["comm_wait_s"])
     assert stats["compute_s"] + stats["comm_wait_s"] + stats["runtime_s"] == pytest.approx(stats["step_s"], rel=1e-3)
     assert 0 < stats["runtime_fraction"] < 1
+    # The step's own work around its program, in the call and in `loss.backward()`, is counted apart.
+    call = stats["step_call_s"]
+    assert call > 0, stats
+    assert stats["overhead_fraction"] == pytest.approx((stats["runtime_s"] + call) / (stats["step_s"] + call))
+    if "step_call_s_before_backward" in stats:  # the hand-over in backward adds to what the call took
+        assert 0 < stats["step_call_s_before_backward"] < call, stats
 
 
 def test_on_a_device_with_streams_steps_are_timed_by_events_read_only_when_asked():

@@ -448,8 +448,10 @@ def stats_worker(rank: int, world: int, options: dict, steps: int = 3) -> dict:
     stats = []
     for i in range(steps):
         x, y = global_batch(i, 2 * world, cfg)
-        step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
-        stats.append(piper_fx.last_step_stats())
+        loss = step(x.chunk(world)[rank], y.chunk(world)[rank])
+        in_the_call = piper_fx.last_step_stats()["step_call_s"]
+        loss.backward()
+        stats.append({**piper_fx.last_step_stats(), "step_call_s_before_backward": in_the_call})
     return {"stats": stats, "param_bytes": param_bytes, "shard_bytes": shard_bytes,
             "trace": piper_fx.last_step_trace()}
 

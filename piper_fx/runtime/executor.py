@@ -244,18 +244,30 @@ class _Position:
         return "before its first instruction"
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepRun:
     """What one run of a program measured: its counts and its timeline, whose times are read
-    when the stats are first asked for (on a GPU, once the step's work has run)."""
+    when the stats are first asked for (on a GPU, once the step's work has run), and the host
+    seconds of the compiled step's own work around the program, which the step sets: in the
+    call (`call_s`) and in `loss.backward()` (`hand_over_s`, once it ran)."""
 
     counts: dict
     timeline: StepTimeline
+    call_s: float = 0.0
+    hand_over_s: float = 0.0
 
     @functools.cached_property
+    def _program_stats(self) -> dict:
+        return {**self.timeline.stats(), **self.counts}
+
+    @property
     def stats(self) -> dict:
         """Its stats (`piper_fx.last_step_stats` lists the keys)."""
-        return {**self.timeline.stats(), **self.counts}
+        stats = dict(self._program_stats)
+        stats["step_call_s"] = call = self.call_s + self.hand_over_s
+        total = stats["step_s"] + call
+        stats["overhead_fraction"] = (stats["runtime_s"] + call) / total if total else 0.0
+        return stats
 
     def trace(self) -> dict:
         """The run as a Chrome / Perfetto trace (a JSON-able dict)."""

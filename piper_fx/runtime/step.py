@@ -21,6 +21,7 @@ the step (`failures`), so peers already running name this rank.
 from __future__ import annotations
 
 import json
+import time
 from typing import Sequence
 
 import torch
@@ -56,7 +57,14 @@ def last_step_stats() -> dict:
       (`all_to_all`, `all_gather`, ..., `recv`, `send`, `p2p issue`).
       `runtime_s` = step_s - compute_s - comm_wait_s, the runtime's own work
       (its instruction loop, freeing values, memory accounting), and
-      `runtime_fraction` = runtime_s / step_s.
+      `runtime_fraction` = runtime_s / step_s;
+    - `step_call_s`: host seconds of the compiled step's own work around its
+      program: in the call (checking the arguments and the parameters'
+      placements, splitting the batch, the memory parts held, the outputs) and
+      in `loss.backward()` (scaling the gradients and handing them over; none
+      before it ran), and `overhead_fraction` = (runtime_s + step_call_s) /
+      (step_s + step_call_s), all of piper_fx's own share of the step (on a GPU
+      the host's work overlaps the device's, and this overstates it).
       Waits inside tasks are timed only with the option `profile`; without
       it they count as compute;
     - `comm_bytes`: bytes this rank contributes per collective kind
@@ -180,6 +188,7 @@ class CompiledStep:
         """Run the program on the call's arguments: (user outputs, {arg index: grad}), each
         gradient as the program computes it (a DTensor parameter's: its padded local rows)."""
         global _latest_run
+        started = time.perf_counter()
         call = failures.next_call()
         try:
             self._check_arguments(args)
@@ -201,7 +210,9 @@ class CompiledStep:
             else:  # a parameter (a DTensor's padded local rows) or a buffer
                 values[(graph_input.name, None)] = program_tensor(args[graph_input.arg_index])
         held = self._held(args, values) if self.training else {}
+        program_started = time.perf_counter()
         results, self.last_run = self.executor.run(values, call, held)
+        program_ended = time.perf_counter()
         _latest_run = self.last_run
         self.steps_run += 1
         if self.dump is not None and self.dump.enabled and self.steps_run <= TRACED_STEPS:
@@ -219,6 +230,7 @@ class CompiledStep:
                 grads[out.index] = value
             else:
                 args[out.index].copy_(value)
+        self.last_run.call_s = program_started - started + time.perf_counter() - program_ended
         return user_outputs, grads
 
     def __call__(self, *args: torch.Tensor):
@@ -236,12 +248,14 @@ class _StepFunction(torch.autograd.Function):
             user_outputs, grads = step.run_program(args)
         ctx.grads = grads
         ctx.args = args
+        ctx.run = step.last_run  # where the hand-over's time goes
         # Only the loss (output 0) carries gradient; the others are plain values.
         ctx.mark_non_differentiable(*user_outputs[1:])
         return tuple(user_outputs)
 
     @staticmethod
     def backward(ctx, loss_seed: torch.Tensor, *unused):
+        started = time.perf_counter()
         grads, ctx.grads = ctx.grads, None
         args, ctx.args = ctx.args, None
         if grads is None:
@@ -251,7 +265,9 @@ class _StepFunction(torch.autograd.Function):
         # and a copy of every one would be held beside it.
         if grads:
             torch._foreach_mul_(list(grads.values()), loss_seed)
-        return (None, *_hand_over(args, grads, ctx.next_functions))
+        handed = (None, *_hand_over(args, grads, ctx.next_functions))
+        ctx.run.hand_over_s += time.perf_counter() - started
+        return handed
 
 
 def _hand_over(args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
