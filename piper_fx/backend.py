@@ -21,7 +21,7 @@ from .compat import drop_spec_guards
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
 from .errors import PiperError
-from .ir import InputRole, TrainingDAG
+from .ir import HELD_ROLES, InputRole, TrainingDAG
 from .options import Strategy, parse_options_on_all_ranks
 from .passes import dump_path, run_passes
 from .passes.functionalize_random import step_randomness
@@ -181,8 +181,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     # The step checks the placements of the DTensor parameters and buffers itself, by identity,
     # where Dynamo would check each in Python on every call.
     specs = {i.arg_index: example_inputs[i.arg_index]._spec for i in planned.inputs
-             if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)
-             and isinstance(example_inputs[i.arg_index], DTensor)}
+             if i.role in HELD_ROLES and isinstance(example_inputs[i.arg_index], DTensor)}
     drop_spec_guards(gm, list(specs))
     return CompiledStep(
         ProgramExecutor(program, compiled, device), planned.inputs, planned.outputs,

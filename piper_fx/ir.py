@@ -39,6 +39,10 @@ class InputRole(enum.Enum):
     RNG = "rng"                  # per-microbatch key and counter of the random ops (passes.functionalize_random)
 
 
+# The inputs a step holds throughout, not per microbatch: parameters (whole or a shard) and buffers.
+HELD_ROLES = (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)
+
+
 class OutputRole(enum.Enum):
     LOSS = "loss"          # user output 0 of a training graph: the replica's scalar loss
     OUTPUT = "output"      # any other user output (no gradient flows back through it)

@@ -41,12 +41,10 @@ from ..collectives.emit import insert_traced
 from ..collectives.lowering import fold_expert_grad, repeat_experts
 from ..collectives.redistribute import AVG, state_redistribution
 from ..errors import PiperConfigError, PiperError
-from ..ir import InputRole, TrainingDAG
+from ..ir import HELD_ROLES, TrainingDAG
 from ..ops import COMM_NOTE, PHASE, REDUCE_EXPERT_GRAD, STEP_END, UNSHARD_EXPERTS
 from ..options import Strategy
 from ..sharding.mesh import ep_group_name, expert_replica_group_name
-
-_PARAMETER_ROLES = (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)
 
 
 def in_expert_region(node: fx.Node) -> bool:
@@ -97,7 +95,7 @@ def _parameter_origins(dag: TrainingDAG) -> dict[fx.Node, set[str]]:
     origins: dict[fx.Node, set[str]] = {}
     for node in dag.joint.graph.nodes:
         if node.op == "placeholder":
-            if roles[node.name].role in _PARAMETER_ROLES:
+            if roles[node.name].role in HELD_ROLES:
                 origins[node] = {roles[node.name].fqn or node.name}
         elif node.op == "call_function" and node.all_input_nodes and all(i in origins for i in node.all_input_nodes):
             origins[node] = set().union(*(origins[i] for i in node.all_input_nodes))

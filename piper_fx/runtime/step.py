@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from ..compat import DTensorSpec, accumulates_in_this_backward, has_grad_hooks
 from ..debug import DebugDump
 from ..errors import PiperError
-from ..ir import GraphInput, GraphOutput, InputRole, OutputRole
+from ..ir import HELD_ROLES, GraphInput, GraphOutput, InputRole, OutputRole
 from ..philox import StepRandomness
 from ..sharding.dtensor_params import accumulate_grad, parameter_grad, program_tensor
 from . import failures
@@ -122,8 +122,7 @@ class CompiledStep:
         self.batch_tensors = {i.arg_index: tensors[i.name] for i in self.inputs
                               if i.role is InputRole.INPUT and i.name in tensors}
         # The parameters and buffers (their program value's key, their argument's index): held throughout.
-        self.held_inputs = [((i.name, None), i.arg_index) for i in self.inputs
-                            if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)]
+        self.held_inputs = [((i.name, None), i.arg_index) for i in self.inputs if i.role in HELD_ROLES]
         # The DTensor spec each DTensor parameter or buffer was compiled with, by argument index:
         # checked on every call in place of Dynamo's guards on them (`compat.drop_spec_guards`),
         # by identity while the argument keeps its spec object, by value when it has a new one.
