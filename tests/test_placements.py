@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from piper_fx.compat import TORCH_VERSION
 from piper_fx.errors import PiperError
 from piper_fx.sharding.specs import READS_KEY, SPEC_KEY, format_spec, is_decided, planning_mesh, propagate
 
@@ -284,3 +285,66 @@ def test_dtensor_is_asked_with_every_argument_that_decides_the_placement():
     # own cache keys only the arguments an op's schema info names, so both must be asked as such.
     graph = _propagate(lambda x: (x.sum(1), x.sum(0)), ((4, 6), Shard(0)))
     assert _specs(graph, torch.ops.aten.sum.dim_IntList) == [Shard(0), Partial("sum")]
+
+
+EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default
+EFFICIENT_BACKWARD = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+
+
+def _efficient_attention(q, k, v):
+    # The memory-efficient kernel fp32 attention takes on a GPU; traced here on fake tensors.
+    out, logsumexp, seed, offset = EFFICIENT(q, k, v, None, True, 0.0, True)
+    return EFFICIENT_BACKWARD(out.clone(), q, k, v, None, out, logsumexp, seed, offset, 0.0,
+                              [True, True, True, False], True)
+
+
+def test_gpu_attention_kernels_bookkeeping_results_are_replicated_as_dtensor_reads_them():
+    graph = _propagate(_efficient_attention, (QKV, Shard(0)), (QKV, Shard(0)), (QKV, Shard(0)))
+    # DTensor's rule places the output and log-sum-exp and leaves the RNG seed and offset
+    # (0-d tensors) unplaced; its backward rule reads them as Replicate().
+    assert _specs(graph, EFFICIENT) == [(Shard(0), Shard(0), Replicate(), Replicate())]
+    (backward,) = _specs(graph, EFFICIENT_BACKWARD)
+    assert backward[:3] == (Shard(0), Shard(0), Shard(0)), backward
+
+
+def test_layer_norm_statistics_are_row_wise_unless_they_reduce_over_the_rows():
+    graph = _propagate(lambda x: torch.var_mean(x, dim=-1, keepdim=True, correction=0), ((4, 9, 8), Shard(0)))
+    assert _specs(graph, torch.ops.aten.var_mean.correction) == [(Shard(0), Shard(0))]
+    # Over the rows, no rank has a row's statistics: not Shard(0) (DTensor's rule, from torch
+    # 2.13, reads the input whole; earlier, nothing places it).
+    try:
+        graph = _propagate(lambda x: torch.var_mean(x, dim=0, correction=0), ((4, 8), Shard(0)))
+    except PiperError as e:
+        assert "var_mean" in str(e) and TORCH_VERSION < (2, 13), e
+    else:
+        (spec,) = _specs(graph, torch.ops.aten.var_mean.correction)
+        assert Shard(0) not in spec, spec
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(1), Partial("sum")])
+def test_piper_fx_rules_for_ops_earlier_dtensor_lacks_answer_as_dtensor_does(placement):
+    # var_mean and prims.convert_element_type: torch 2.11's DTensor has no rule for them
+    # (Inductor's decompositions write a layer norm's statistics and `.to(dtype)` so).
+    from piper_fx.sharding import specs
+    from piper_fx.sharding.dtensor_rules import dtensor_answer
+
+    def statistics_and_conversion(x):
+        var, mean = torch.ops.aten.var_mean.correction(x, [-1], correction=0, keepdim=True)
+        return var, torch.ops.prims.convert_element_type.default(x, torch.float64)
+
+    gm = make_fx(statistics_and_conversion, tracing_mode="fake")(torch.randn(4, 6, 8))
+    (x,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    propagate(gm.graph, {x.name: placement}, planning_mesh(2))
+    ruled = [node for node in gm.graph.nodes if node.target in specs._RULES]
+    assert len(ruled) == 2, gm.graph
+    for node in ruled:
+        try:
+            ours = specs._RULES[node.target](node, [(x, placement)])
+        except specs.NoRule:
+            ours = None
+        if TORCH_VERSION >= (2, 13):  # DTensor's own answer, where it has one, is ours
+            spec, reads = dtensor_answer(planning_mesh(2), node)
+            assert ours is None or (ours[0], [(a.name, p) for a, p in ours[1]]) == (
+                spec, [(a.name, p) for a, p in reads]), (node.target, ours, spec, reads)
+        if ours is not None:
+            assert node.meta[SPEC_KEY] == ours[0]

@@ -28,16 +28,21 @@ guessed. A call's placement comes from the first of these that applies:
    input, which 3 covers). Graph constants (`get_attr`) are `Replicate()`.
 5. piper_fx's rules for ops DTensor has no rule for, or none that fits
    (`_RULES`): attention kernels that compute each batch row from that row
-   alone, and scatter-adds whose every rank adds its own rows (the embedding
-   backward as Inductor decomposes it). Each rule holds only for the input
-   placements it names; for others the op goes on to 6.
+   alone, row statistics (var_mean) and dtype conversions (prims'), which
+   DTensor has rules for from torch 2.13 only, and scatter-adds whose every
+   rank adds its own rows (the embedding backward as Inductor decomposes it).
+   Each rule holds only for the input placements it names; for others the op
+   goes on to 6.
 6. DTensor's own sharding propagator (`dtensor_rules`; the rules DTensor's dispatch uses),
    given the op's registered schema info as DTensor's dispatch gives it, and
    the global shapes (a sharded dimension this rank's times the ranks; a
    shape argument, e.g. a view's, each global shape of the result in turn):
-   its answer must fit this rank's shapes. Where no global shape fits (a
-   replicated tensor of this rank's batch size, such as its row numbers,
-   meeting a sharded one), it is given this rank's shapes as the global ones.
+   its answer must fit this rank's shapes. A result of at most one element it
+   leaves unplaced (a GPU attention kernel's RNG seed and offset, empty
+   offsets) is `Replicate()`, as DTensor's backward rules read it. Where no
+   global shape fits (a replicated tensor of this rank's batch size, such as
+   its row numbers, meeting a sharded one), it is given this rank's shapes as
+   the global ones.
    Where the rule it picks reads an input otherwise placed than it is (e.g. a
    replicated tensor as this rank's rows, or a partial sum, such as the
    loss's normaliser, as its total), the graph computes with the input as it
@@ -108,8 +113,9 @@ def _alike(val: Any, placement: Placement) -> Any:
 
 
 # ---- piper_fx's rules for ops DTensor has no rule for, or none that fits. Each gets the
-# node and its tensor inputs with their placements, and returns the node's spec, or raises
-# `NoRule` saying why when the placements are not those it holds for.
+# node and its tensor inputs with their placements, and returns the node's spec and the
+# inputs it reads otherwise placed (`READS_KEY`), or raises `NoRule` saying why when the
+# placements are not those it holds for.
 
 def _batch_rows(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     """For an op that computes row b of each result (dim 0: the batch) from row b of each
@@ -129,7 +135,7 @@ def _batch_rows(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
                           f"{format_spec(s)} with {tuple(val.shape)}")
     if not all(o.dim() >= 1 and o.shape[0] == rows for o in tensors(node.meta.get("val"))):
         raise NoRule(f"a result of it does not have the batch's {rows} rows")
-    return _alike(node.meta.get("val"), Shard(0))
+    return _alike(node.meta.get("val"), Shard(0)), []
 
 
 def _scatter_add(destination: fx.Node, keys: list[fx.Node], values: fx.Node) -> Placement:
@@ -151,23 +157,50 @@ def _scatter_add(destination: fx.Node, keys: list[fx.Node], values: fx.Node) -> 
     return Partial("sum")
 
 
-def _masked_index_put_accumulate(node: fx.Node, inputs) -> Placement:
+def _row_statistics(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """var_mean over dimensions other than dim 0 (a layer norm's statistics, as Inductor
+    decomposes it): each row's statistics read that row alone, so with the input
+    `Shard(0)` both results are `Shard(0)` (dim 0 is kept, keepdim or not). DTensor has a
+    rule for it from torch 2.13; this one serves earlier versions too."""
+    (source, placement), = inputs
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else dims
+    ndim = source.meta["val"].dim()
+    if placement != Shard(0) or dims is None or 0 in [d % ndim for d in dims]:
+        raise NoRule("it reads each row alone only over dimensions other than dim 0 of a Shard(0) input")
+    return _alike(node.meta.get("val"), Shard(0)), []
+
+
+def _convert_element_type(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """A dtype conversion (as Inductor's decompositions write `.to(dtype)`): element by
+    element, so a `Shard` stays; a partial value is read whole (`Replicate()`), since
+    converting the parts need not sum to converting the total (to an integer, say). This
+    is DTensor's rule for it from torch 2.13; earlier versions have none."""
+    (source, placement), = inputs
+    if isinstance(placement, Partial):
+        return Replicate(), [(source, Replicate())]
+    return placement, []
+
+
+def _masked_index_put_accumulate(node: fx.Node, inputs) -> Any:
     destination, mask, indices, values = node.args[:4]
-    return _scatter_add(destination, [mask] + [i for i in indices if isinstance(i, fx.Node)], values)
+    return _scatter_add(destination, [mask] + [i for i in indices if isinstance(i, fx.Node)], values), []
 
 
-def _index_put(node: fx.Node, inputs) -> Placement:
+def _index_put(node: fx.Node, inputs) -> Any:
     destination, indices, values = node.args[:3]
     if not (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)):
         raise NoRule("it writes rows in place without summing them")
-    return _scatter_add(destination, [i for i in indices if isinstance(i, fx.Node)], values)
+    return _scatter_add(destination, [i for i in indices if isinstance(i, fx.Node)], values), []
 
 
-_RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], Any]] = {
+_RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any, list]]] = {
     # CPU flash attention (DTensor has rules for the CUDA kernels, not these): batch row b
     # of the output (and log-sum-exp), and of the gradients, reads row b of q, k, v alone.
     aten._scaled_dot_product_flash_attention_for_cpu.default: _batch_rows,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _batch_rows,
+    aten.var_mean.correction: _row_statistics,
+    torch.ops.prims.convert_element_type.default: _convert_element_type,
     # The embedding backward as Inductor decomposes it: a scatter-add into zeros.
     aten._unsafe_masked_index_put_accumulate.default: _masked_index_put_accumulate,
     # DTensor's index_put rule needs the indices replicated; a scatter-add of each rank's
@@ -208,6 +241,19 @@ def random_values_rule(rng_inputs: set[fx.Node], samples: int) -> Callable[[fx.N
 
 
 # ---- Propagation.
+
+def _bookkeeping_replicated(spec: Any, val: Any) -> Any:
+    """DTensor's answer with `Replicate()` for each result it leaves unplaced that is a
+    tensor of at most one element. DTensor's rules leave the bookkeeping results of the
+    device's attention kernels unplaced (returned as plain tensors: the RNG seed and
+    offset of the CUDA flash and memory-efficient kernels, empty sequence offsets and
+    debug masks) and read them back in the backward as `Replicate()`. They hold no
+    random draws here: `passes.functionalize_random` refuses attention with dropout."""
+    if not isinstance(spec, tuple) or not isinstance(val, (tuple, list)) or len(spec) != len(val):
+        return spec
+    return tuple(Replicate() if s is None and isinstance(v, torch.Tensor) and v.numel() <= 1 else s
+                 for s, v in zip(spec, val))
+
 
 def _own_op_spec(node: fx.Node) -> tuple[bool, Any]:
     """(True, spec) for the ops whose placement is fixed by what they are, else (False, None)."""
@@ -255,7 +301,7 @@ def infer_spec(mesh: DeviceMesh, node: fx.Node, random_values: Callable[[fx.Node
     why = []
     if node.target in _RULES:
         try:
-            return _RULES[node.target](node, inputs), []
+            return _RULES[node.target](node, inputs)
         except NoRule as e:
             why.append(f"piper_fx's rule does not hold: {e}")
     try:
@@ -263,6 +309,7 @@ def infer_spec(mesh: DeviceMesh, node: fx.Node, random_values: Callable[[fx.Node
     except NoRule as e:
         why.append(str(e))
     else:
+        spec = _bookkeeping_replicated(spec, val)
         if is_decided(spec, val):
             return spec, reads
         why.append(f"DTensor's sharding propagator placed it {format_spec(spec)}")
