@@ -179,15 +179,20 @@ def pickle_graphs(obj: object, kept_meta: Callable[[str], bool]) -> bytes:
     accepts alone (fake values as their shapes, strides, dtypes and devices), and ops of any
     namespace; a node in a kept entry (such as the original a recomputation copies) as None."""
     from torch.fx._graph_pickler import Options
-    return _graph_pickler().dumps(obj, Options(ops_filter=None, node_metadata_key_filter=kept_meta,
-                                               ignore_raw_node=True))
+    return _graph_pickler().dumps(obj, Options(ops_filter=None, node_metadata_key_filter=kept_meta))
+
+
+def _unpickled_node() -> None:
+    return None
 
 
 @functools.cache
 def _graph_pickler() -> type:
     """FX's `GraphPickler`, but a fake view's base described without its fake mode, as the
     view itself is: torch 2.13 drops the mode of the view alone, and the base's (which the
-    unpickler sets again) drags the whole fake mode into the pickle, which fails."""
+    unpickler sets again) drags the whole fake mode into the pickle, which fails. A node
+    held in metadata is pickled as None (what `Options(ignore_raw_node=True)` does from
+    torch 2.13; torch 2.11 has no such option and refuses the node)."""
     import dataclasses
 
     from torch._subclasses.fake_tensor import FakeTensor
@@ -195,6 +200,8 @@ def _graph_pickler() -> type:
 
     class PlanPickler(GraphPickler):
         def reducer_override(self, obj):
+            if isinstance(obj, torch.fx.Node):
+                return _unpickled_node, ()
             if not isinstance(obj, FakeTensor):
                 return super().reducer_override(obj)
             unpickle, (data, state) = _TensorPickleData.reduce_helper(self, obj)
