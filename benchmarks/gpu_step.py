@@ -1,0 +1,190 @@
+"""One device, world 1: piper_fx's step against `torch.compile` of the same model, and where the difference goes.
+
+    python benchmarks/gpu_step.py [--device cuda] [--steps 50] [--rounds 3] [--sides torch_compile,piper_inductor,piper_eager]
+
+The example GPT (4 layers, width 256, 8 sequences of 128 tokens, AdamW with
+torch's default implementation for the device) trained by each side:
+`torch.compile(model)` (Inductor; Triton on a GPU), piper_fx with Inductor
+codegen and piper_fx with eager codegen. Each side runs in processes of its
+own, twice: first with an empty Inductor cache (its first step is the cold
+compile), then again with that cache (the warm compile), the sides in reversed
+order the second time. In each process, after warm-up steps, `--rounds` times
+`--steps` steps are timed between device synchronisations; a side's step time is
+the median of its rounds (both processes'), with the spread (max - min) / median.
+Beside it, the host's time in each phase of a step (the call, `loss.backward()`,
+`optimizer.step()`, `zero_grad()`; medians over unsynchronised steps: where the
+host's total is about the step time, the step waits on the host, not the
+device) and, for piper_fx, `last_step_stats()`: its program's wall time, the
+runtime's own share and the step's own work around the program. With
+`--profile`, the profiler's table of each side's host time by operator over a
+few steps. A measurement, not a test: nothing here asserts a time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SIDES = ("torch_compile", "piper_inductor", "piper_eager")
+WARMUP = 10
+PHASES = ("call", "backward", "optimizer", "zero_grad")
+
+
+def _worker(args: argparse.Namespace) -> dict:
+    import torch
+
+    import piper_fx
+    from examples.gpt import GPT, GPTConfig
+
+    device = torch.device(args.device)
+    cfg = GPTConfig(vocab_size=65, block_size=args.block, n_layer=args.n_layer, n_head=4, n_embd=args.width)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    if args.side == "torch_compile":
+        step = torch.compile(model)
+    else:
+        options = {"codegen": args.side.removeprefix("piper_")}
+        piper_fx.prepare(model, options)
+        step = torch.compile(model, backend="piper", options=options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(8):
+        x = torch.randint(0, cfg.vocab_size, (args.rows, cfg.block_size), generator=g)
+        batches.append((x.to(device), torch.roll(x, -1, dims=1).to(device)))
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def train_step(i: int, phases: list | None = None):
+        x, y = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        loss = step(x, y)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        opt.zero_grad()
+        t4 = time.perf_counter()
+        if phases is not None:
+            phases.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
+        return loss
+
+    sync()
+    start = time.perf_counter()
+    train_step(0)
+    sync()
+    result = {"side": args.side, "compile_s": time.perf_counter() - start}
+    for i in range(1, WARMUP):
+        train_step(i)
+    sync()
+    rounds, phases, i = [], [], WARMUP
+    for _ in range(args.rounds):
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            train_step(i, phases)
+            i += 1
+        sync()
+        rounds.append((time.perf_counter() - start) / args.steps)
+    result["rounds_s"] = rounds
+    result["host_s"] = {phase: statistics.median(p[k] for p in phases) for k, phase in enumerate(PHASES)}
+    loss = train_step(i)
+    result["loss"] = loss.item()
+    if args.side.startswith("piper"):
+        stats = piper_fx.last_step_stats()
+        result["piper"] = {key: stats[key] for key in ("step_s", "runtime_s", "runtime_fraction", "step_call_s",
+                                                        "overhead_fraction", "instructions")}
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            for k in range(5):
+                train_step(i + 1 + k)
+            sync()
+        result["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    return result
+
+
+def _spawn(side: str, cache: str, args: argparse.Namespace, profile: bool) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
+    command = [sys.executable, __file__, "--worker", side, "--device", args.device, "--steps", str(args.steps),
+               "--rounds", str(args.rounds), "--n-layer", str(args.n_layer), "--width", str(args.width),
+               "--block", str(args.block), "--rows", str(args.rows)] + (["--profile"] if profile else [])
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"{side}: exit {done.returncode}\n{done.stdout}{done.stderr[-6000:]}", flush=True)
+        return {"side": side, "error": done.returncode}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default=None, help="default: cuda if torch sees a GPU, else cpu")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sides", default=",".join(SIDES))
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--profile", action="store_true", help="print the profiler's table of each side "
+                        "(its warm process)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        import torch  # noqa: F401  (after the parent set the cache directory)
+        args.side = args.worker
+        print(json.dumps(_worker(args)))
+        return 0
+    import torch
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    sides = args.sides.split(",")
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {args.device} ({name}), world 1, GPT {args.n_layer}x{args.width}, "
+          f"{args.rows} x {args.block} tokens, AdamW; {args.rounds} rounds of {args.steps} steps per process, "
+          f"two processes per side (cold, then warm Inductor cache)", flush=True)
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    with tempfile.TemporaryDirectory() as tmp:
+        for attempt, order in enumerate((sides, sides[::-1])):
+            for side in order:
+                profile = args.profile and attempt == 1
+                runs[side].append(_spawn(side, os.path.join(tmp, side), args, profile))
+    print(f"{'side':16s} {'step ms':>8s} {'spread':>7s} {'/ torch':>8s} {'cold s':>7s} {'warm s':>7s} "
+          + "".join(f"{'host ' + p:>14s}" for p in PHASES) + f" {'loss':>8s}")
+    base = None
+    for side, results in runs.items():
+        if any("error" in r for r in results):
+            print(f"{side:16s} failed")
+            continue
+        rounds = [s for r in results for s in r["rounds_s"]]
+        step = statistics.median(rounds)
+        base = step if side == "torch_compile" else base
+        host = results[-1]["host_s"]
+        print(f"{side:16s} {step * 1e3:8.2f} {(max(rounds) - min(rounds)) / step:7.1%} "
+              f"{step / base if base else float('nan'):8.2f} {results[0]['compile_s']:7.1f} "
+              f"{results[1]['compile_s']:7.1f} " + "".join(f"{host[p] * 1e3:14.3f}" for p in PHASES)
+              + f" {results[-1]['loss']:8.4f}")
+    for side, results in runs.items():
+        for r in results:
+            if "piper" in r:
+                print(f"{side} last_step_stats: " + ", ".join(
+                    f"{k}={v * 1e3:.3f} ms" if k.endswith("_s") else f"{k}={v:.3g}" for k, v in r["piper"].items()))
+            if "profile" in r:
+                print(f"{side} profile (5 steps):\n{r['profile']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
