@@ -4,13 +4,18 @@ Spawning ranks costs seconds per test (importing torch, the rendezvous); a
 property test that trains tens of generated strategies reuses one pool per
 world size instead. Every run has a hard deadline: a pool whose ranks do not
 all answer in time, or where a rank failed (its peers may be left in a broken
-collective), is torn down, and the next run starts a fresh one.
+collective), is torn down, and the next run starts a fresh one; the ranks that missed the
+deadline say where they were (every thread's Python stack).
 """
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import queue
+import signal
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -19,8 +24,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _stacks_file(init_file: str, rank: int) -> str:
+    return f"{init_file}.stacks{rank}"
+
+
 def _serve(rank, world_size, init_file, tasks, results, collective_timeout_s):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # A rank that misses its deadline is asked for its threads' stacks (SIGUSR1) before it is killed.
+    stacks = open(_stacks_file(init_file, rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    faulthandler.enable(all_threads=True)  # and a rank that crashes prints them (to the test's stderr)
     torch.set_num_threads(1)  # up to 4 ranks share 2 cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=collective_timeout_s))
@@ -50,7 +63,7 @@ class RankPool:
         self._tmp = tempfile.TemporaryDirectory()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        init_file = os.path.join(self._tmp.name, "rendezvous")
+        init_file = self._init_file = os.path.join(self._tmp.name, "rendezvous")
         self._procs = [ctx.Process(target=_serve, args=(r, self.world_size, init_file, self._tasks[r], self._results,
                                                         self.collective_timeout_s), daemon=True)
                        for r in range(self.world_size)]
@@ -64,18 +77,41 @@ class RankPool:
         for tasks in self._tasks:
             tasks.put((fn, args))
         outcomes: dict[int, dict] = {}
+        deadline = time.monotonic() + deadline_s
         try:
             while len(outcomes) < self.world_size:
-                try:
-                    rank, status, value = self._results.get(timeout=deadline_s)
+                missing = sorted(set(range(self.world_size)) - set(outcomes))
+                try:  # polled, so a rank that dies (a crash, a kill) ends the run at once
+                    rank, status, value = self._results.get(timeout=1.0)
                 except queue.Empty:
-                    missing = sorted(set(range(self.world_size)) - set(outcomes))
-                    raise AssertionError(f"ranks {missing} did not finish within {deadline_s}s") from None
+                    dead = [r for r in missing if self._procs[r].exitcode is not None]
+                    if dead:
+                        with contextlib.suppress(queue.Empty):  # it may have answered just before
+                            rank, status, value = self._results.get(timeout=1.0)
+                            outcomes[rank] = {"value": value} if status == "ok" else {"error": value}
+                            continue
+                        raise AssertionError(f"rank {dead[0]} exited with code {self._procs[dead[0]].exitcode} "
+                                             "without answering (its stderr, above, says why)") from None
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"ranks {missing} did not finish within {deadline_s}s; where they "
+                                             f"were:\n{self._stacks(missing)}") from None
+                    continue
                 outcomes[rank] = {"value": value} if status == "ok" else {"error": value}
         finally:
             if len(outcomes) < self.world_size or any("error" in o for o in outcomes.values()):
                 self.close()
         return [outcomes[r] for r in range(self.world_size)]
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """The Python stacks of every thread of `ranks` (faulthandler's dump, on SIGUSR1)."""
+        for rank in ranks:
+            os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        time.sleep(2)
+        dumps = []
+        for rank in ranks:
+            with open(_stacks_file(self._init_file, rank)) as f:
+                dumps.append(f"rank {rank}:\n{f.read()}")
+        return "\n".join(dumps)
 
     def close(self) -> None:
         for tasks in self._tasks if self._procs else ():
