@@ -71,7 +71,8 @@ class RankPool:
             proc.start()
 
     def run(self, fn, *args, deadline_s: float = 300) -> list[dict]:
-        """[{"value": ...} or {"error": traceback}] by rank; raises if some rank does not answer in time."""
+        """[{"value": ...} or {"error": traceback}] by rank; raises if a rank dies, or does not answer
+        within `deadline_s` of the start or of the last answer."""
         if not self._procs:
             self._start()
         for tasks in self._tasks:
@@ -89,6 +90,7 @@ class RankPool:
                         with contextlib.suppress(queue.Empty):  # it may have answered just before
                             rank, status, value = self._results.get(timeout=1.0)
                             outcomes[rank] = {"value": value} if status == "ok" else {"error": value}
+                            deadline = time.monotonic() + deadline_s
                             continue
                         raise AssertionError(f"rank {dead[0]} exited with code {self._procs[dead[0]].exitcode} "
                                              "without answering (its stderr, above, says why)") from None
@@ -97,6 +99,7 @@ class RankPool:
                                              f"were:\n{self._stacks(missing)}") from None
                     continue
                 outcomes[rank] = {"value": value} if status == "ok" else {"error": value}
+                deadline = time.monotonic() + deadline_s  # each answer within `deadline_s` of the last
         finally:
             if len(outcomes) < self.world_size or any("error" in o for o in outcomes.values()):
                 self.close()
