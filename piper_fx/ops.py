@@ -39,6 +39,13 @@ def collective_kind(node: fx.Node) -> str | None:
     return collective_op_kind(node.target) if node.op == "call_function" else None
 
 
+def collective_group(node: fx.Node) -> str:
+    """The name of the process group a functional collective's node runs on: its `group_name`
+    argument, wherever its op's schema puts it."""
+    index = [a.name for a in node.target._schema.arguments].index("group_name")
+    return node.args[index] if index < len(node.args) else node.kwargs["group_name"]
+
+
 def is_wait(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target is WAIT
 

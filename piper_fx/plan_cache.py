@@ -17,8 +17,8 @@ ranks, runs and processes), keyed by everything planning reads:
     dtype, device, whether it requires grad, its DTensor placements and mesh,
     and the layout `prepare` gave it (row shards, experts);
   - the strategy (every option but the debug directory and `profile`, which
-    planning does not read), the world size and rank, and the names of the
-    process groups its collectives use;
+    planning does not read), the world size and rank, and the names and
+    backends of the process groups its collectives use;
   - whether gradients are enabled (a training step or not) and autocast's state;
   - piper_fx's own source and torch's version.
 
@@ -43,12 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .annotate import KINDS as REGION_KINDS
-from .compat import FakeTensorMode, ShapeEnv, inductor_cache_dir, load_graphs, pickle_graphs, qualified_name
+from .compat import (FakeTensorMode, ShapeEnv, inductor_cache_dir, load_graphs, pickle_graphs, qualified_name,
+                     resolve_process_group)
 from .ir import GraphInput, GraphOutput, InputRole, RankProgram, TrainingDAG
 from .ops import META_PREFIX
 from .options import Strategy
@@ -213,6 +215,15 @@ def _add_all(add, gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
     options = {f.name: getattr(strategy, f.name) for f in fields(strategy) if f.name not in ("debug_dir", "profile")}
     add(repr(sorted(options.items())))
     add(repr(groups))
+    add(repr([_group_backend(name) for name in groups]))  # planning reads them too
+
+
+def _group_backend(name: str | None) -> str | None:
+    """The backend of the process group named `name` ("gloo", "nccl", "fake", ...), which
+    `passes.limit_gathers_in_flight` reads; None without one."""
+    if name is None or not dist.is_initialized():
+        return None
+    return dist.get_backend(resolve_process_group(name))
 
 
 def _path(key: str) -> Path:

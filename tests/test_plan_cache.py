@@ -75,6 +75,17 @@ def test_the_key_changes_with_what_planning_reads():
     assert len({first, *changed.values()}) == 1 + len(changed), changed
 
 
+def test_the_key_has_the_backends_of_the_process_groups(monkeypatch):
+    # Planning reads a group's backend (under gloo, one all-gather in flight per group).
+    from piper_fx import plan_cache
+
+    keys = set()
+    for backend in ("gloo", "nccl"):
+        monkeypatch.setattr(plan_cache, "_group_backend", lambda name, backend=backend: name and backend)
+        keys.add(_key(groups=("3", None, None, None)))
+    assert len(keys) == 2 and None not in keys
+
+
 def test_a_graph_calling_a_function_defined_in_a_function_is_not_cached():
     @torch._dynamo.allow_in_graph
     def local_scale(x):

@@ -398,42 +398,71 @@ def plan_all_ranks(options: dict, world: int, n_layer: int, batch_rows: int, exp
     """Every rank's program for `options`, planned in this process on a fake process group of
     `world` ranks from one capture of the example GPT (with PP regions; with `experts`, MoE
     blocks whose experts are EP regions): (programs, seconds)."""
-    import time
-
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        return plan_programs(options, n_layer, batch_rows, experts)
+    finally:
+        dist.destroy_process_group()
+
+
+def plan_programs(options: dict, n_layer: int, batch_rows: int, experts: int = 0) -> tuple[dict, float]:
+    """`plan_all_ranks` in the process group this process is in (on every rank of it: `prepare`
+    is collective): the programs of every data-parallel index of this rank's pipeline ranks."""
     from piper_fx.capture import capture
     from piper_fx.passes import run_passes
     from piper_fx.sharding.mesh import dp_group_name
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=False, n_expert=experts))
-        model.block_context = lambda: piper_fx.annotate("PP")
-        if experts:
-            model.expert_context = lambda: piper_fx.annotate("EP")
-            for module in model.experts():
-                piper_fx.mark_experts(module)
-        piper_fx.prepare(model, options)
-        captured = {}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=False, n_expert=experts))
+    model.block_context = lambda: piper_fx.annotate("PP")
+    if experts:
+        model.expert_context = lambda: piper_fx.annotate("EP")
+        for module in model.experts():
+            piper_fx.mark_experts(module)
+    piper_fx.prepare(model, options)
+    captured = {}
 
-        def keep_graph(gm, example_inputs):
-            captured.update(gm=gm, example_inputs=example_inputs)
-            return gm.forward
+    def keep_graph(gm, example_inputs):
+        captured.update(gm=gm, example_inputs=example_inputs)
+        return gm.forward
 
-        x, y = global_batch(0, batch_rows, model.cfg)
-        torch.compile(model, backend=keep_graph)(x, y)
-        start = time.monotonic()
-        strategy = piper_fx.parse_options(options)
-        dag = capture(captured["gm"], captured["example_inputs"], strategy, dp_group_name(strategy))
-        programs = {}
-        for dp_index in range(strategy.dp):  # one capture; passes per data-parallel index (ZeRO-1 slices differ)
-            planned = run_passes(dag.copy(), strategy.with_rank(dp_index), lambda *_: None)
-            programs.update(planned.programs)
-        return programs, time.monotonic() - start
-    finally:
-        dist.destroy_process_group()
+    x, y = global_batch(0, batch_rows, model.cfg)
+    torch.compile(model, backend=keep_graph)(x, y)
+    start = time.monotonic()
+    strategy = piper_fx.parse_options(options)
+    dag = capture(captured["gm"], captured["example_inputs"], strategy, dp_group_name(strategy))
+    programs = {}
+    for dp_index in range(strategy.dp):  # one capture; passes per data-parallel index (ZeRO-1 slices differ)
+        planned = run_passes(dag.copy(), strategy.with_rank(dp_index), lambda *_: None)
+        programs.update(planned.programs)
+    return programs, time.monotonic() - start
+
+
+def gathers_in_flight(programs: dict) -> int:
+    """The most all-gathers of one process group in flight at once (issued, not yet waited
+    for) anywhere in the tasks of `programs`."""
+    from piper_fx.ops import WAIT, collective_group, collective_kind
+
+    worst = 0
+    for program in programs.values():
+        for task in program.tasks.values():
+            flying: dict[str, set] = {}
+            for node in task.graph.graph.nodes:
+                if collective_kind(node) == "all_gather":
+                    group = flying.setdefault(collective_group(node), set())
+                    group.add(node)
+                    worst = max(worst, len(group))
+                elif node.target is WAIT and collective_kind(node.args[0]) == "all_gather":
+                    flying[collective_group(node.args[0])].discard(node.args[0])
+    return worst
+
+
+def gathers_in_flight_worker(rank: int, world: int, options: dict) -> int:
+    """`gathers_in_flight` of the programs planned for `options` in the ranks' own (gloo) group."""
+    programs, _ = plan_programs(options, n_layer=2, batch_rows=2 * world)
+    return gathers_in_flight(programs)
 
 
 def stats_worker(rank: int, world: int, options: dict, steps: int = 3) -> dict:

@@ -21,6 +21,7 @@ from .build_rank_programs import build_rank_programs
 from .checkpoint_activations import checkpoint_activations
 from .choose_schedule import choose_schedule
 from .functionalize_random import functionalize_random
+from .limit_gathers_in_flight import limit_gathers_in_flight
 from .lower_redistributions import lower_redistributions
 from .fuse_overlapped_pairs import fuse_overlapped_pairs
 from .propagate_placements import propagate_placements
@@ -65,6 +66,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass(reorder_for_overlap,    STAGED,   STAGED),    # per task: waits sunk to first use, ZeRO-3 gathers prefetched
     Pass(build_rank_programs,    STAGED,   PROGRAMS),  # schedule + tasks -> each rank's program (with send/recv)
     Pass(fuse_overlapped_pairs,  PROGRAMS, PROGRAMS),  # DualPipe's F&B pairs: halves interleaved at collective waits
+    Pass(limit_gathers_in_flight, PROGRAMS, PROGRAMS),  # gloo groups: one all-gather in flight at a time
 )
 
 
