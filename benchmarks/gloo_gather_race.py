@@ -2,10 +2,10 @@
 reproduction with functional collectives and nothing of piper_fx.
 
     python benchmarks/gloo_gather_race.py [--runs 12] [--iters 2000] [--gathers concurrent|one-at-a-time]
-                                          [--ops all_gather|reduce_scatter|both]
+                                          [--ops all_gather|reduce_scatter|both|all_to_all]
 
 Each run starts 2 gloo ranks in fresh processes. Every iteration issues 1 to 12 small
-collectives (16 to 256 floats, of the kinds `--ops` names) on one group, computes a
+collectives (16 to 256 floats a rank, of the kinds `--ops` names) on one group, computes a
 matmul after each, then waits for all and checks their results; rank 0 sometimes
 sleeps a little, so the ranks drift apart. With `--gathers one-at-a-time` each
 all-gather is issued only after the previous one was waited for (what
@@ -14,11 +14,13 @@ dies with a signal or a heap error ("malloc(): unaligned tcache chunk detected",
 "free(): invalid pointer", a segfault) is counted as crashed. Run it on an otherwise
 busy machine (a busy loop on a core, as a loaded CI runner is) to see it sooner.
 
-Seen on this project's machine (2 cores, one busy; torch 2.13.0+cpu): all-gathers in
-flight together crashed 4 runs of 12, with reduce-scatters beside them 4 of 15;
-reduce-scatters alone 0 of 12; everything waited for at once 0 of 12; all-gathers
-one at a time, with reduce-scatters in flight beside them, 0 of 15 (see the closing
-note of issue 18 for the runs). A measurement, not a test.
+Seen on this project's machine (2 cores, torch 2.13.0+cpu, 12 runs of 2000 iterations
+each, a busy loop on one core): all-gathers in flight together (the defaults) crashed
+6 runs of 12; `--gathers one-at-a-time --ops both` (all-gathers one at a time,
+reduce-scatters in flight beside them) 0 of 12; `--ops all_to_all` 0 of 12. Earlier
+variants of the same loop: with reduce-scatters beside the concurrent all-gathers, 4
+of 15; reduce-scatters alone, or one collective in flight at a time, 0 of 12. A
+measurement, not a test.
 """
 from __future__ import annotations
 
@@ -48,7 +50,10 @@ def _rank(rank: int, world: int, init_file: str, args: argparse.Namespace) -> No
         for k in range(sizes.randint(1, 12)):
             n = sizes.choice((16, 64, 128, 256))
             gather = args.ops == "all_gather" or (args.ops == "both" and sizes.random() < 0.5)
-            if gather:
+            if args.ops == "all_to_all":
+                issued.append(("all_to_all", n, k, fc.all_to_all_single(
+                    torch.full((n * world,), float(rank + k)), [n] * world, [n] * world, name)))
+            elif gather:
                 if args.gathers == "one-at-a-time":
                     for kind, _, _, earlier in reversed(issued):
                         if kind == "all_gather":
@@ -64,7 +69,9 @@ def _rank(rank: int, world: int, init_file: str, args: argparse.Namespace) -> No
             x @ x  # compute while the collectives are in flight
         for kind, n, k, result in issued:
             result = fc.wait_tensor(result)
-            if kind == "all_gather":
+            if kind == "all_to_all":
+                expected = torch.cat([torch.full((n,), float(r + k)) for r in range(world)])
+            elif kind == "all_gather":
                 expected = torch.cat([torch.full((n,), float(r + k)) for r in range(world)])
             else:
                 expected = world * (torch.arange(n * world, dtype=torch.float32) + k)[rank * n:(rank + 1) * n]
@@ -77,7 +84,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=12)
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--gathers", choices=("concurrent", "one-at-a-time"), default="concurrent")
-    parser.add_argument("--ops", choices=("all_gather", "reduce_scatter", "both"), default="all_gather")
+    parser.add_argument("--ops", choices=("all_gather", "reduce_scatter", "both", "all_to_all"), default="all_gather")
     args = parser.parse_args()
 
     import torch
