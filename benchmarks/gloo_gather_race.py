@@ -12,10 +12,11 @@ all-gather is issued only after the previous one was waited for (what
 `passes.limit_gathers_in_flight` makes of piper_fx's tasks under gloo). A run that
 dies with a signal or a heap error ("malloc(): unaligned tcache chunk detected",
 "free(): invalid pointer", a segfault) is counted as crashed. Run it on an otherwise
-busy machine (a busy loop on a core, as a loaded CI runner is) to see it sooner.
+busy machine (busy loops on its cores, as a loaded CI runner is) to see it sooner.
 
 Seen on this project's machine (2 cores, torch 2.13.0+cpu, 12 runs of 2000 iterations
-each, a busy loop on one core): all-gathers in flight together (the defaults) crashed
+each, both cores kept busy by other processes: two busy loops, three for the
+one-at-a-time runs): all-gathers in flight together (the defaults) crashed
 6 runs of 12; `--gathers one-at-a-time --ops both` (all-gathers one at a time,
 reduce-scatters in flight beside them) 0 of 12; `--ops all_to_all` 0 of 12. Earlier
 variants of the same loop: with reduce-scatters beside the concurrent all-gathers, 4
