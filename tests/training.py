@@ -408,8 +408,8 @@ def plan_all_ranks(options: dict, world: int, n_layer: int, batch_rows: int, exp
 
 
 def plan_programs(options: dict, n_layer: int, batch_rows: int, experts: int = 0) -> tuple[dict, float]:
-    """`plan_all_ranks` in the process group this process is in (on every rank of it: `prepare`
-    is collective): the programs of every data-parallel index of this rank's pipeline ranks."""
+    """`plan_all_ranks`'s programs, planned in the process group this process is in: called on
+    every rank of it (`prepare` is collective), on a real group as on the fake one."""
     from piper_fx.capture import capture
     from piper_fx.passes import run_passes
     from piper_fx.sharding.mesh import dp_group_name

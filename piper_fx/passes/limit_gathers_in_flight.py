@@ -14,9 +14,10 @@ group large worlds are planned on), is left as it was.
 Why: torch's `ProcessGroupGloo` runs a group's collectives on two worker threads, and two
 all-gathers of one group running at once corrupt the process's heap (torch 2.13, CPU:
 "malloc(): unaligned tcache chunk detected", "free(): invalid pointer", segfaults, in
-about one run in three of `benchmarks/gloo_gather_race.py`, which calls functional
-collectives and nothing of piper_fx). Reduce-scatters and all-reduces in flight together,
-with or without one all-gather beside them, did not crash there. Under gloo, then,
+a third to a half of the runs of `benchmarks/gloo_gather_race.py`, which calls
+functional collectives and nothing of piper_fx). Reduce-scatters (which gloo runs as
+all-reduces) in flight together, all-to-alls in flight together, and one all-gather at a
+time beside reduce-scatters did not crash there. Under gloo, then,
 ZeRO-3 gathers at most one layer ahead whatever `prefetch` asks, and a ZeRO-1/2
 prologue's parameter gathers run one at a time (each still overlapping the compute and
 the other collectives issued before its wait).
