@@ -78,19 +78,25 @@ class RankPool:
         for tasks in self._tasks:
             tasks.put((fn, args))
         outcomes: dict[int, dict] = {}
+
+        def record(answer: tuple) -> float:
+            """Keep a rank's answer; the next is due within `deadline_s` of it."""
+            rank, status, value = answer
+            outcomes[rank] = {"value": value} if status == "ok" else {"error": value}
+            return time.monotonic() + deadline_s
+
         deadline = time.monotonic() + deadline_s
         try:
             while len(outcomes) < self.world_size:
                 missing = sorted(set(range(self.world_size)) - set(outcomes))
                 try:  # polled, so a rank that dies (a crash, a kill) ends the run at once
-                    rank, status, value = self._results.get(timeout=1.0)
+                    answer = self._results.get(timeout=1.0)
                 except queue.Empty:
                     dead = [r for r in missing if self._procs[r].exitcode is not None]
                     if dead:
                         with contextlib.suppress(queue.Empty):  # it may have answered just before
-                            rank, status, value = self._results.get(timeout=1.0)
-                            outcomes[rank] = {"value": value} if status == "ok" else {"error": value}
-                            deadline = time.monotonic() + deadline_s
+                            answer = self._results.get(timeout=1.0)
+                            deadline = record(answer)
                             continue
                         raise AssertionError(f"rank {dead[0]} exited with code {self._procs[dead[0]].exitcode} "
                                              "without answering (its stderr, above, says why)") from None
@@ -98,8 +104,7 @@ class RankPool:
                         raise AssertionError(f"ranks {missing} did not finish within {deadline_s}s; where they "
                                              f"were:\n{self._stacks(missing)}") from None
                     continue
-                outcomes[rank] = {"value": value} if status == "ok" else {"error": value}
-                deadline = time.monotonic() + deadline_s  # each answer within `deadline_s` of the last
+                deadline = record(answer)
         finally:
             if len(outcomes) < self.world_size or any("error" in o for o in outcomes.values()):
                 self.close()

@@ -34,31 +34,31 @@ from ..ops import collective_group, collective_kind, wait_of
 from ..options import Strategy
 
 
-def _on_gloo(gather: fx.Node) -> bool:
-    """Whether the process group of `gather` runs it with gloo."""
+def _runs_on_gloo(group_name: str, device: torch.device) -> bool:
+    """Whether the process group named `group_name` runs collectives on `device` with gloo."""
     if not dist.is_gloo_available():
         return False
-    val = gather.all_input_nodes[0].meta.get("val")
-    device = val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
-    group = resolve_process_group(collective_group(gather))
     try:
-        backend = group._get_backend(device)
+        backend = resolve_process_group(group_name)._get_backend(device)
     except RuntimeError:  # no backend for that device: the collective could not run either
         return False
     return isinstance(backend, dist.ProcessGroupGloo)
 
 
-def _one_gather_at_a_time(task: Task) -> bool:
+def _one_gather_at_a_time(task: Task, on_gloo: dict[tuple[str, torch.device], bool]) -> bool:
     """Move each gloo group's all-gather waits up so one gather of a group is in flight at a
-    time in `task`; returns whether anything moved."""
+    time in `task`; returns whether anything moved. `on_gloo` caches `_runs_on_gloo`."""
     graph = task.graph.graph
     order = {node: index for index, node in enumerate(graph.nodes)}
     last: dict[str, fx.Node] = {}  # per gloo group, the task's latest all-gather so far
     moved = False
     for gather in [n for n in graph.nodes if collective_kind(n) == "all_gather"]:
-        if not _on_gloo(gather):
-            continue
         group = collective_group(gather)
+        where = (group, gather.args[0].meta["val"].device)
+        if where not in on_gloo:
+            on_gloo[where] = _runs_on_gloo(*where)
+        if not on_gloo[where]:
+            continue
         previous, last[group] = last.get(group), gather
         wait = wait_of(previous) if previous is not None else None
         if wait is not None and order[wait] > order[gather]:
@@ -69,8 +69,9 @@ def _one_gather_at_a_time(task: Task) -> bool:
 
 def limit_gathers_in_flight(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     tasks = {id(task): task for program in dag.programs.values() for task in program.tasks.values()}
+    on_gloo: dict[tuple[str, torch.device], bool] = {}
     for task in tasks.values():
-        if _one_gather_at_a_time(task):
+        if _one_gather_at_a_time(task, on_gloo):
             task.graph.graph.lint()
             task.graph.recompile()
     return dag
