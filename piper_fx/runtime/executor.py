@@ -145,61 +145,92 @@ class _MemoryProfile:
                 **{part: made + held.get(part, 0) for part, made in self.parts.items()}}
 
 
-class _Values(dict):
-    """The program's values by key, and which of them are sums `accumulate` made."""
+class _Values:
+    """The program's values, in slots: each key the program reads, makes or hands back
+    has its own (`ProgramExecutor.slot_of`), None while it holds no value. The runtime
+    stores and frees values by the list of slots an instruction reads, makes or drops,
+    computed once for the program: a step does no key hashing and no per-value method
+    call. `sums` holds the slots whose value is a sum `accumulate` made."""
 
-    def __init__(self, values: dict):
-        super().__init__(values)
-        self.sums: set[Key] = set()  # keys whose value is a sum `accumulate` made
+    __slots__ = ("held", "sums")
 
-    def __setitem__(self, key: Key, value) -> None:
+    def __init__(self, size: int):
+        self.held: list = [None] * size
+        self.sums: set[int] = set()  # slots whose value is a sum `accumulate` made
+
+    def set(self, slot: int, value) -> None:
+        self.held[slot] = value
         if self.sums:
-            self.sums.discard(key)
-        super().__setitem__(key, value)
+            self.sums.discard(slot)
 
-    def pop(self, key: Key, *default):
+    def drop(self, slots: Sequence[int]) -> None:
+        held = self.held
+        for slot in slots:
+            held[slot] = None
         if self.sums:
-            self.sums.discard(key)
-        return super().pop(key, *default)
+            self.sums.difference_update(slots)
 
-    def accumulate(self, key: Key, value: torch.Tensor) -> None:
-        """Add `value` to the value held under `key`, or hold it if there is none: into
+    def store(self, slots: Sequence[tuple[int, bool]], results: Sequence) -> None:
+        """Store a task's `results` in `slots`, each (slot, whether it is summed into)."""
+        held = self.held
+        for (slot, summed), value in zip(slots, results, strict=True):
+            if summed:
+                self.accumulate(slot, value)
+            else:
+                held[slot] = value
+                if self.sums:
+                    self.sums.discard(slot)
+
+    def accumulate(self, slot: int, value: torch.Tensor) -> None:
+        """Add `value` to the value held in `slot`, or hold it if there is none: into
         a new tensor the first time (the value held may be read elsewhere, such as a
         received buffer or a task's output), in place into that sum after, until the
         sum is read (a partial sum sent to another rank must stay as it was sent)."""
-        held = self.get(key)
+        held = self.held[slot]
         if held is None:
-            self[key] = value
-        elif key in self.sums:
+            self.set(slot, value)
+        elif slot in self.sums:
             held.add_(value)
         else:
-            self[key] = held + value
-            self.sums.add(key)
+            self.set(slot, held + value)
+            self.sums.add(slot)
 
 
 class _CountedValues(_Values):
     """`_Values` reporting every value set or dropped to a `_HeldBytes`, with the storage each
     is counted on (a value's storage is looked up once, when it is set)."""
 
-    def __init__(self, values: dict, tracked: _HeldBytes):
-        super().__init__(values)
+    __slots__ = ("tracked", "keys", "counted")
+
+    def __init__(self, size: int, tracked: _HeldBytes, keys: Sequence[Key]):
+        super().__init__(size)
         self.tracked = tracked
-        self.counted: dict[Key, int] = {}  # key -> the storage its value is counted on
+        self.keys = keys  # each slot's key, which decides the memory part of its value
+        self.counted: dict[int, int] = {}  # slot -> the storage its value is counted on
 
-    def __setitem__(self, key: Key, value) -> None:
-        counted = self.counted
-        if key in counted:
-            self.tracked.release_storage(counted.pop(key))
-        super().__setitem__(key, value)
-        storage = self.tracked.add(key, value)
+    def set(self, slot: int, value) -> None:
+        self._uncount(slot)
+        super().set(slot, value)
+        storage = self.tracked.add(self.keys[slot], value)
         if storage is not None:
-            counted[key] = storage
+            self.counted[slot] = storage
 
-    def pop(self, key: Key, *default):
-        storage = self.counted.pop(key, None)
+    def drop(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self._uncount(slot)
+        super().drop(slots)
+
+    def store(self, slots: Sequence[tuple[int, bool]], results: Sequence) -> None:
+        for (slot, summed), value in zip(slots, results, strict=True):
+            if summed:
+                self.accumulate(slot, value)
+            else:
+                self.set(slot, value)
+
+    def _uncount(self, slot: int) -> None:
+        storage = self.counted.pop(slot, None)
         if storage is not None:
             self.tracked.release_storage(storage)
-        return super().pop(key, *default)
 
 
 def _value(name: str, microbatch: int | None) -> str:
@@ -305,42 +336,57 @@ class ProgramExecutor:
         self.part_of: dict[str, str | None] = {name: "gradients" for name in program.accumulated | set(program.outputs)}
         self.part_of.update(dict.fromkeys(program.inputs))
         # Each value dropped after its last reader: the schedule the program-level verifier checks.
-        self.drop_after: list[list[Key]] = program.frees_after()
+        drop_after: list[list[Key]] = program.frees_after()
         # Per instruction: the values it reads (a run's: its task's arguments, in order), and per
         # run the values its task's outputs are stored as, each with whether it is summed into.
-        self.reads: list[list[Key]] = [program.reads(instruction) for instruction in program.instructions]
-        self.arguments: dict[int, list[Key]] = {
-            index: self.reads[index] for index, instruction in enumerate(program.instructions)
-            if isinstance(instruction, Run)}
-        self.labels = {index: program.instructions[index].label for index in self.arguments}  # the runs' spans
-        self.results: dict[int, list[tuple[Key, bool]]] = {
+        reads: list[list[Key]] = [program.reads(instruction) for instruction in program.instructions]
+        results: dict[int, list[tuple[Key, bool]]] = {
             index: [(program.key(name, run.microbatch), name in program.accumulated)
                     for run in instruction.runs for name in program.tasks[run.task].outputs]
             for index, instruction in enumerate(program.instructions) if isinstance(instruction, Run)}
-        self.task_peaks = self._task_peaks()
+        # A slot for each value the program reads, makes or hands back (`_Values`); the
+        # instructions' lists of keys become lists of slots.
+        self.output_keys: list[tuple[str, Key]] = [(name, (name, None)) for name in program.outputs]
+        keys = [key for _, key in self.output_keys]
+        keys += [key for keys_read in reads for key in keys_read]
+        keys += [key for stored in results.values() for key, _ in stored]
+        moved = {index: program.key(i.value, i.microbatch) for index, i in enumerate(program.instructions)
+                 if isinstance(i, (Send, Recv))}
+        keys += moved.values()
+        self.keys: list[Key] = list(dict.fromkeys(keys))
+        self.slot_of: dict[Key, int] = {key: slot for slot, key in enumerate(self.keys)}
+        slots = self.slot_of
+        self.drop_after: list[list[int]] = [[slots[key] for key in listed] for listed in drop_after]
+        self.reads: list[list[int]] = [[slots[key] for key in listed] for listed in reads]
+        self.results: dict[int, list[tuple[int, bool]]] = {
+            index: [(slots[key], summed) for key, summed in stored] for index, stored in results.items()}
+        self.moved: dict[int, int] = {index: slots[key] for index, key in moved.items()}  # a send's or receive's value
+        self.labels = {index: program.instructions[index].label for index in self.results}  # the runs' spans
+        self.task_peaks = self._task_peaks(reads, drop_after)
         self.program = program.without_graphs()
         # The memory the program makes: counted value by value on its runs until two in a
         # row measure the same (its values are the same every step), then this.
         self.profile: _MemoryProfile | None = None
         self._measured: _MemoryProfile | None = None  # the last run's, while counting
 
-    def _task_peaks(self) -> dict[int, tuple[TaskPeak, list[Key]]]:
-        """Per run instruction: its task's peak (`task_peak`) and the values it has freed by then.
-        An argument is freed inside the task if the runtime drops it for the run and it is not
-        the step's input (parameters, buffers and the batch live on, in the model and the caller)."""
-        peaks: dict[int, tuple[TaskPeak, list[Key]]] = {}
+    def _task_peaks(self, reads: list[list[Key]], drop_after: list[list[Key]]) -> dict[int, tuple[TaskPeak, list[int]]]:
+        """Per run instruction: its task's peak (`task_peak`) and the slots of the values it has
+        freed by then. An argument is freed inside the task if the runtime drops it for the run
+        and it is not the step's input (parameters, buffers and the batch live on, in the model
+        and the caller)."""
+        peaks: dict[int, tuple[TaskPeak, list[int]]] = {}
         by_task: dict[tuple[str, tuple[int, ...]], TaskPeak] = {}  # runs of one task free alike
         step_inputs = set(self.program.inputs)
         for index, instruction in enumerate(self.program.instructions):
             if isinstance(instruction, Run):
-                arguments = self.arguments[index]
-                dropped = set(self.drop_after[index])
+                arguments = reads[index]
+                dropped = set(drop_after[index])
                 releasable = tuple(i for i, key in enumerate(arguments) if key in dropped and key[0] not in step_inputs)
                 cache = (instruction.task, releasable)
                 if cache not in by_task:
                     by_task[cache] = task_peak(self.program.tasks[instruction.task].graph.graph, releasable)
                 peak = by_task[cache]
-                peaks[index] = (peak, [arguments[i] for i in peak.released])
+                peaks[index] = (peak, [self.slot_of[arguments[i]] for i in peak.released])
         return peaks
 
     def run(self, values: dict[Key, torch.Tensor], call: int,
@@ -379,37 +425,41 @@ class ProgramExecutor:
                   "p2p_batches": batch.issued}
         return results, StepRun(counts, timeline)
 
-    def _run(self, values: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position,
+    def _run(self, inputs: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position,
              batch: P2PBatch, counting: bool) -> tuple[dict[str, torch.Tensor], _HeldBytes | None]:
         """Run the instructions; the outputs, and the bytes the run made if `counting`."""
         program = self.program
         pending_sends: collections.deque[Sending] = collections.deque()
-        receiving: dict[Key, list[Receiving]] = {}  # receives, completed by the value's first reader
+        receiving: dict[int, list[Receiving]] = {}  # receives by slot, completed by the value's first reader
         # `batch`: the sends and receives not issued yet, those since the last other instruction.
 
-        def arrive(key: Key) -> None:
-            if any(posted.issued is None for posted in receiving.get(key, ())):
+        def arrive(slot: int) -> None:
+            if any(posted.issued is None for posted in receiving.get(slot, ())):
                 pending_sends.extend(batch.issue())  # a value forwarded in the step it arrives
-            for posted in receiving.pop(key, ()):
+            for posted in receiving.pop(slot, ()):
                 position.receiving = posted.instruction
                 buffer = posted.wait(timeline)
                 position.receiving = None
                 if counting:
                     memory.release(buffer)  # no longer in flight: counted as a value below
                 if posted.instruction.accumulate:
-                    values.accumulate(key, buffer)
+                    values.accumulate(slot, buffer)
                 else:
-                    values[key] = buffer
+                    values.set(slot, buffer)
 
         memory: _HeldBytes | None = None
         if counting:
-            input_storages = {storage_key(v) for v in values.values() if isinstance(v, torch.Tensor)}
+            input_storages = {storage_key(v) for v in inputs.values() if isinstance(v, torch.Tensor)}
             memory = _HeldBytes(self.part_of, input_storages)
-            store = _CountedValues(values, memory)
+            values = _CountedValues(len(self.keys), memory, self.keys)
         else:
-            store = _Values(values)
-        values.clear()  # consumed: the runtime holds the only references, so values die at their last use
-        values = store
+            values = _Values(len(self.keys))
+        slot_of = self.slot_of
+        for key, value in inputs.items():  # not counted: the step's inputs are not what it makes
+            slot = slot_of.get(key)
+            if slot is not None:  # else no instruction reads it
+                values.held[slot] = value
+        inputs.clear()  # consumed: the runtime holds the only references, so values die at their last use
         for index, instruction in enumerate(program.instructions):
             if not isinstance(instruction, (Send, Recv)):
                 pending_sends.extend(batch.issue())
@@ -417,28 +467,28 @@ class ProgramExecutor:
             if not isinstance(instruction, Recv):
                 reads = self.reads[index]
                 if receiving:
-                    for key in reads:
-                        if key in receiving:
-                            arrive(key)
+                    for slot in reads:
+                        if slot in receiving:
+                            arrive(slot)
                 if values.sums:  # read (sent, or passed to a task): a later sum is a new tensor
                     values.sums.difference_update(reads)
             if isinstance(instruction, Run):
                 if counting:
                     peak, released = self.task_peaks[index]
-                    memory.observe_task(peak, [values.counted.get(key) for key in released])
+                    memory.observe_task(peak, [values.counted.get(slot) for slot in released])
                 with timeline.span(self.labels[index], COMPUTE):
                     self._run_task(instruction, values, index)  # drops what it last reads
             elif isinstance(instruction, Send):
-                tensor = values[program.key(instruction.value, instruction.microbatch)]
+                tensor = values.held[self.moved[index]]
                 wire = wire_tensor(tensor, instruction)
                 batch.send(wire, instruction)
                 if counting:
                     memory.hold(wire, "communication_buffers")  # held by the transfer until it completes
             elif isinstance(instruction, Recv):
-                key = program.key(instruction.value, instruction.microbatch)
+                slot = self.moved[index]
                 posted = Receiving(instruction)
                 batch.receive(posted)
-                receiving.setdefault(key, []).append(posted)
+                receiving.setdefault(slot, []).append(posted)
                 if counting:
                     memory.hold(posted.buffer, "communication_buffers")
             if counting and not isinstance(instruction, Send):  # only runs and receives add values
@@ -446,22 +496,23 @@ class ProgramExecutor:
             if pending_sends and isinstance(instruction, Run):  # time passed: sends may have completed
                 _release_completed(pending_sends, memory)
             if not isinstance(instruction, Run):
-                for key in self.drop_after[index]:
-                    values.pop(key, None)
+                values.drop(self.drop_after[index])
         pending_sends.extend(batch.issue())
-        for key in list(receiving):
-            arrive(key)
+        for slot in list(receiving):
+            arrive(slot)
         position.draining_sends = True
         with timeline.span("sends in flight", COMM_WAIT, "send"):
             for send in pending_sends:
                 send.batch.wait(send.message)
-        return {name: values[(name, None)] for name in program.outputs if (name, None) in values}, memory
+        held = values.held
+        outputs = {name: held[slot_of[key]] for name, key in self.output_keys}
+        return {name: value for name, value in outputs.items() if value is not None}, memory
 
-    def _run_task(self, instruction: Run, values: dict[Key, torch.Tensor], index: int) -> None:
-        args = [values[key] for key in self.arguments[index]]
+    def _run_task(self, instruction: Run, values: _Values, index: int) -> None:
+        held = values.held
+        args = [held[slot] for slot in self.reads[index]]
         # Drop our references first, so the boxed task frees each input at its last use.
-        for key in self.drop_after[index]:
-            values.pop(key, None)
+        values.drop(self.drop_after[index])
         contexts = _TASK_CONTEXTS.get()
         if contexts:
             with contextlib.ExitStack() as stack:
@@ -471,9 +522,4 @@ class ProgramExecutor:
         else:
             results = self.compiled[instruction.task](args)
         del args
-        # A fused pair returns its first half's outputs, then its second's.
-        for (key, summed), value in zip(self.results[index], results, strict=True):
-            if summed:
-                values.accumulate(key, value)
-            else:
-                values[key] = value
+        values.store(self.results[index], results)  # a fused pair's: its first half's outputs, then its second's
