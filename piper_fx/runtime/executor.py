@@ -277,19 +277,27 @@ class _Position:
 
 @dataclass
 class StepRun:
-    """What one run of a program measured: its counts and its timeline, whose times are read
-    when the stats are first asked for (on a GPU, once the step's work has run), and the host
-    seconds of the compiled step's own work around the program, which the step sets: in the
-    call (`call_s`) and in `loss.backward()` (`hand_over_s`, once it ran)."""
+    """What one run of a program measured: its timeline, whose times are read when the stats
+    are first asked for (on a GPU, once the step's work has run), what the program made at
+    its peak (`memory`) with the memory parts the step held throughout (`held`), its counts,
+    and the host seconds of the compiled step's own work around the program, which the step
+    sets: in the call (`call_s`) and in `loss.backward()` (`hand_over_s`, once it ran). The
+    stats are put together when asked for, not in every step."""
 
-    counts: dict
     timeline: StepTimeline
+    memory: "_MemoryProfile"
+    held: dict[str, int]
+    comm_bytes: dict[str, int]
+    instructions: int
+    p2p_batches: int
     call_s: float = 0.0
     hand_over_s: float = 0.0
 
     @functools.cached_property
     def _program_stats(self) -> dict:
-        return {**self.timeline.stats(), **self.counts}
+        return {**self.timeline.stats(), "comm_bytes": dict(self.comm_bytes),
+                "peak_activation_bytes": self.memory.activation_peak, "memory": self.memory.with_held(self.held),
+                "instructions": self.instructions, "p2p_batches": self.p2p_batches}
 
     @property
     def stats(self) -> dict:
@@ -420,10 +428,8 @@ class ProgramExecutor:
             if profile == self._measured:
                 self.profile = profile
             self._measured = profile
-        counts = {"comm_bytes": dict(self.comm_bytes), "peak_activation_bytes": profile.activation_peak,
-                  "memory": profile.with_held(held or {}), "instructions": len(self.program.instructions),
-                  "p2p_batches": batch.issued}
-        return results, StepRun(counts, timeline)
+        return results, StepRun(timeline, profile, held or {}, self.comm_bytes, len(self.program.instructions),
+                                batch.issued)
 
     def _run(self, inputs: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position,
              batch: P2PBatch, counting: bool) -> tuple[dict[str, torch.Tensor], _HeldBytes | None]:

@@ -123,6 +123,18 @@ class CompiledStep:
                               if i.role is InputRole.INPUT and i.name in tensors}
         # The parameters and buffers (their program value's key, their argument's index): held throughout.
         self.held_inputs = [((i.name, None), i.arg_index) for i in self.inputs if i.role in HELD_ROLES]
+        # Each per-microbatch input's program keys, one per microbatch, made once: the seeds
+        # of the loss, the batch arguments' chunks (with the argument's index) and random words.
+        by_microbatch = range(self.microbatches)
+        self.seed_keys = [(i.name, m) for i in self.inputs if i.role is InputRole.TANGENT for m in by_microbatch]
+        self.batch_keys = [(i.arg_index, [(i.name, m) for m in by_microbatch])
+                           for i in self.inputs if i.role is InputRole.INPUT]
+        self.rng_keys = [[(i.name, m) for m in by_microbatch] for i in self.inputs if i.role is InputRole.RNG]
+        # The program's outputs by what the step does with them: the user's outputs (their
+        # position), the gradients and the inputs' new values (their argument's index).
+        self.user_outputs = [(o.name, o.index) for o in self.outputs if o.role in (OutputRole.LOSS, OutputRole.OUTPUT)]
+        self.grad_outputs = [(o.name, o.index) for o in self.outputs if o.role is OutputRole.GRAD]
+        self.mutation_outputs = [(o.name, o.index) for o in self.outputs if o.role is OutputRole.MUTATION]
         # The DTensor spec each DTensor parameter or buffer was compiled with, by argument index:
         # checked on every call in place of Dynamo's guards on them (`compat.drop_spec_guards`),
         # by identity while the argument keeps its spec object, by value when it has a new one.
@@ -195,19 +207,15 @@ class CompiledStep:
             failures.raise_failure(error, self.executor.program.rank, call, "before running its step",
                                    started=False)
         values: dict = {}
-        for graph_input in self.inputs:
-            if graph_input.role is InputRole.TANGENT:
-                seed = torch.full(self.seed_shape, 1.0 / self.microbatches, dtype=self.seed_dtype,
-                                  device=self.seed_device)
-                values.update({(graph_input.name, m): seed for m in range(self.microbatches)})
-            elif graph_input.role is InputRole.INPUT:
-                chunks = self._microbatches(args[graph_input.arg_index])
-                values.update({(graph_input.name, m): chunk for m, chunk in enumerate(chunks)})
-            elif graph_input.role is InputRole.RNG:
-                rng = self.randomness.next_inputs(self.microbatches)
-                values.update({(graph_input.name, m): words for m, words in enumerate(rng)})
-            else:  # a parameter (a DTensor's padded local rows) or a buffer
-                values[(graph_input.name, None)] = program_tensor(args[graph_input.arg_index])
+        if self.seed_keys:
+            seed = torch.full(self.seed_shape, 1.0 / self.microbatches, dtype=self.seed_dtype, device=self.seed_device)
+            values.update(dict.fromkeys(self.seed_keys, seed))
+        for index, keys in self.batch_keys:
+            values.update(zip(keys, self._microbatches(args[index])))
+        for keys in self.rng_keys:
+            values.update(zip(keys, self.randomness.next_inputs(self.microbatches)))
+        for key, index in self.held_inputs:  # a parameter (a DTensor's padded local rows) or a buffer
+            values[key] = program_tensor(args[index])
         held = self._held(args, values) if self.training else {}
         program_started = time.perf_counter()
         results, self.last_run = self.executor.run(values, call, held)
@@ -217,18 +225,15 @@ class CompiledStep:
         if self.dump is not None and self.dump.enabled and self.steps_run <= TRACED_STEPS:
             self.dump.write("trace.json", json.dumps(self.last_run.trace()))
         user_outputs: list[torch.Tensor | None] = [None] * self.num_user_outputs
-        grads: dict[int, torch.Tensor] = {}
-        for out in self.outputs:
-            value = results.get(out.name)
-            if value is None:
-                continue  # produced on another pipeline rank
-            if out.role in (OutputRole.LOSS, OutputRole.OUTPUT):
+        for name, index in self.user_outputs:
+            value = results.get(name)  # None where another pipeline rank makes it
+            if value is not None:
                 # Summed over microbatches by the runtime: the replica's loss is their mean.
-                user_outputs[out.index] = value / self.microbatches if self.microbatches > 1 else value
-            elif out.role is OutputRole.GRAD:
-                grads[out.index] = value
-            else:
-                args[out.index].copy_(value)
+                user_outputs[index] = value / self.microbatches if self.microbatches > 1 else value
+        grads = {index: results[name] for name, index in self.grad_outputs if name in results}
+        for name, index in self.mutation_outputs:
+            if name in results:
+                args[index].copy_(results[name])
         self.last_run.call_s = program_started - started + time.perf_counter() - program_ended
         return user_outputs, grads
 

@@ -110,6 +110,8 @@ def program_tensor(parameter: torch.Tensor) -> torch.Tensor:
     if not isinstance(parameter, DTensor):
         return parameter
     local = local_tensor(parameter)
+    if not _PADDED_ROWS:  # no parameter is padded (a lookup costs most of this function's time)
+        return local
     padded = _PADDED_ROWS.get(parameter)
     if padded is None:
         return local
