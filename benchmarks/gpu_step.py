@@ -1,6 +1,7 @@
 """One device, world 1: piper_fx's step against `torch.compile` of the same model, and where the difference goes.
 
     python benchmarks/gpu_step.py [--device cuda] [--steps 50] [--rounds 3] [--sides torch_compile,piper_inductor,piper_eager]
+                                  [--same-process]
 
 The example GPT (4 layers, width 256, 8 sequences of 128 tokens, AdamW with
 torch's default implementation for the device) trained by each side:
@@ -17,7 +18,12 @@ host's total is about the step time, the step waits on the host, not the
 device) and, for piper_fx, `last_step_stats()`: its program's wall time, the
 runtime's own share and the step's own work around the program. With
 `--profile`, the profiler's table of each side's host time by operator over a
-few steps. A measurement, not a test: nothing here asserts a time.
+few steps. With `--same-process`, every side runs in one process instead,
+their rounds alternating (the order reversed every round), for step times and
+host phases under the same process state and load (no compile times): on a CPU
+with a small model (`--device cpu --width 64 --block 32 --rows 2 --n-layer 2`)
+the step is host-bound like the GPU's, which makes it a proxy for the runtime's
+own cost there. A measurement, not a test: nothing here asserts a time.
 """
 from __future__ import annotations
 
@@ -39,7 +45,9 @@ WARMUP = 10
 PHASES = ("call", "backward", "optimizer", "zero_grad")
 
 
-def _worker(args: argparse.Namespace) -> dict:
+def _side(side: str, args: argparse.Namespace):
+    """One side's training step, `train_step(i, phases=None)` (appending its host phases'
+    seconds to `phases`; returns the loss), and a device synchronisation, `sync()`."""
     import torch
 
     import piper_fx
@@ -49,10 +57,10 @@ def _worker(args: argparse.Namespace) -> dict:
     cfg = GPTConfig(vocab_size=65, block_size=args.block, n_layer=args.n_layer, n_head=4, n_embd=args.width)
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
-    if args.side == "torch_compile":
+    if side == "torch_compile":
         step = torch.compile(model)
     else:
-        options = {"codegen": args.side.removeprefix("piper_")}
+        options = {"codegen": side.removeprefix("piper_")}
         piper_fx.prepare(model, options)
         step = torch.compile(model, backend="piper", options=options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -81,6 +89,61 @@ def _worker(args: argparse.Namespace) -> dict:
             phases.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
         return loss
 
+    return train_step, sync
+
+
+def _same_process(args: argparse.Namespace) -> int:
+    """Every side in this one process, their rounds alternating (the order reversed every
+    round), so that both see the same process, caches and load: the step time of each
+    (median of its rounds, with their spread), its host phases and its ratio to
+    `torch.compile`'s. No compile times (each side compiles in a process warmed by the others)."""
+    import torch
+
+    sides = args.sides.split(",")
+    steps = {side: _side(side, args) for side in sides}
+    for side, (train_step, sync) in steps.items():
+        for i in range(WARMUP):
+            train_step(i)
+        sync()
+    rounds: dict[str, list[float]] = {side: [] for side in sides}
+    phases: dict[str, list] = {side: [] for side in sides}
+    for r in range(args.rounds):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            train_step, sync = steps[side]
+            sync()
+            start = time.perf_counter()
+            for i in range(args.steps):
+                train_step(WARMUP + i, phases[side])
+            sync()
+            rounds[side].append((time.perf_counter() - start) / args.steps)
+    name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {args.device} ({name}), world 1, GPT {args.n_layer}x{args.width}, "
+          f"{args.rows} x {args.block} tokens, AdamW; one process, {args.rounds} alternating rounds of "
+          f"{args.steps} steps per side")
+    # Beside each round's mean step, the median step's host time (the phases' sum): on a CPU,
+    # where the host's time is the step's, it is robust to the bursts of load that move a
+    # round's mean; on a GPU the rounds' time is the step's.
+    print(f"{'side':16s} {'step ms':>8s} {'spread':>7s} {'/ torch':>8s} {'host ms':>8s} {'/ torch':>8s} "
+          + "".join(f"{'host ' + p:>15s}" for p in PHASES))
+    step = {side: statistics.median(rounds[side]) for side in sides}
+    host = {side: statistics.median(sum(p) for p in phases[side]) for side in sides}
+    for side in sides:
+        spread = (max(rounds[side]) - min(rounds[side])) / step[side]
+        ratios = [times[side] / times["torch_compile"] if "torch_compile" in times else float("nan")
+                  for times in (step, host)]
+        print(f"{side:16s} {step[side] * 1e3:8.3f} {spread:7.1%} {ratios[0]:8.3f} {host[side] * 1e3:8.3f} "
+              f"{ratios[1]:8.3f} " + "".join(f"{statistics.median(p[k] for p in phases[side]) * 1e3:15.3f}"
+                                            for k in range(len(PHASES))))
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> dict:
+    import torch
+
+    import piper_fx
+
+    device = torch.device(args.device)
+    train_step, sync = _side(args.side, args)
     sync()
     start = time.perf_counter()
     train_step(0)
@@ -141,6 +204,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--profile", action="store_true", help="print the profiler's table of each side "
                         "(its warm process)")
+    parser.add_argument("--same-process", action="store_true", help="run every side in one process, "
+                        "alternating rounds (step times and host phases only; no compile times)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -150,6 +215,8 @@ def main() -> int:
         return 0
     import torch
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.same_process:
+        return _same_process(args)
     sides = args.sides.split(",")
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"torch {torch.__version__}, {args.device} ({name}), world 1, GPT {args.n_layer}x{args.width}, "
