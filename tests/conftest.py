@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -10,6 +11,19 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor_cache"))
 # Every pass's output is verified (`piper_fx.verify`), in this process and the ranks it spawns.
 os.environ.setdefault("PIPER_VERIFY", "1")
+
+
+# A frame past Dynamo's recompile limit runs eagerly, with a warning: a test comparing a compiled
+# step with eager PyTorch would then compare eager with itself and pass. Here that is an error.
+torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles its own models: the frames earlier tests compiled are dropped
+    (they would count towards the recompile limit of code every test runs, such as the
+    example GPT's `forward`)."""
+    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,7 @@ def _serve(rank, world_size, init_file, tasks, results, collective_timeout_s):
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.enable(all_threads=True)  # and a rank that crashes prints them (to the test's stderr)
     torch.set_num_threads(1)  # up to 4 ranks share 2 cores
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # not a silent eager run (conftest)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=collective_timeout_s))
     try:

@@ -30,6 +30,7 @@ def _worker(rank, world_size, init_file, fn, args, results, collective_timeout_s
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # Up to 4 ranks share 2 cores: one thread each avoids oversubscription.
     torch.set_num_threads(1)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # not a silent eager run (conftest)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
