@@ -3,7 +3,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -11,6 +10,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor_cache"))
 # Every pass's output is verified (`piper_fx.verify`), in this process and the ranks it spawns.
 os.environ.setdefault("PIPER_VERIFY", "1")
+
+import torch  # noqa: E402  (after the environment it reads)
 
 
 # A frame past Dynamo's recompile limit runs eagerly, with a warning: a test comparing a compiled
