@@ -1,4 +1,5 @@
-"""Runs a `RankProgram`: instructions in order over a store of named values.
+"""Runs a `RankProgram`: instructions in order over the program's values, held in slots
+(`values.Values`; counted by memory part until the runs measure alike).
 
 If the program fails, the rank's error says where it stopped, and every other
 rank's names the rank that failed first (`failures`).
@@ -16,16 +17,15 @@ import torch
 
 from ..ir import Instruction, RankProgram, Recv, Run, Send
 from . import failures
-from .memory import MEMORY_PARTS, TaskPeak, storage_key, task_peak
+from .memory import TaskPeak, storage_key, task_peak
 from .p2p import P2PBatch, Receiving, Sending, wire_tensor
 from .timing import COMM_WAIT, COMPUTE, StepTimeline, clock_for, recording
+from .values import CountedValues, HeldBytes, Key, MemoryProfile, Values
 
 # Context managers entered around every task run, e.g. a dispatch mode that
 # measures memory. Entered here, inside the compiled step, because Dynamo runs
 # a frame eagerly when a dispatch mode is active around `step(...)` itself.
 _TASK_CONTEXTS: contextvars.ContextVar[tuple] = contextvars.ContextVar("piper_task_contexts", default=())
-
-Key = tuple[str, "int | None"]
 
 
 @contextlib.contextmanager
@@ -38,206 +38,11 @@ def around_tasks(*contexts) -> Iterator[None]:
         _TASK_CONTEXTS.reset(token)
 
 
-class _HeldBytes:
-    """Bytes of the values the program makes and holds, by memory part (`MEMORY_PARTS`),
-    kept up to date as values come and go (a scan of every value after every instruction
-    cost a tenth of a pipeline step), and the most held at once with its parts.
-    The step's inputs (batch, parameters) and views of them, such as a transposed
-    weight, are not values it counts; what the step holds throughout (parameters,
-    optimizer state, gradients from before) is added to the peak afterwards
-    (`_MemoryProfile.with_held`): held all step, it does not move the peak.
-    A storage shared by several values counts once, in the part of the first."""
-
-    def __init__(self, part_of: dict[str, str | None], input_storages: set[int]):
-        # Value name -> its part where the name decides it (None for the step's inputs);
-        # any other value's part follows from its key.
-        self.part_of = part_of
-        self.input_storages = input_storages
-        self.live: dict[int, list] = {}  # storage (`storage_key`) -> [bytes, values on it, part]
-        self.parts = dict.fromkeys(MEMORY_PARTS, 0)
-        self.total = 0
-        self.peak_parts = dict(self.parts)
-        self.peak_total = 0
-        self.activation_peak = 0
-
-    def add(self, key: Key, value) -> int | None:
-        """Count `value` set under `key`; the storage (`storage_key`) it is counted on, or
-        None where it is not counted (not a tensor, or the step's input)."""
-        name, microbatch = key
-        part = self.part_of[name] if name in self.part_of else (
-            "activations" if microbatch is not None else "communication_buffers")
-        if part is None or not isinstance(value, torch.Tensor):
-            return None
-        return self.hold(value, part)
-
-    def hold(self, tensor: torch.Tensor, part: str) -> int | None:
-        """Count `tensor` in `part`, unless its storage is counted already or is the step's
-        input; the storage it is counted on, or None."""
-        storage = tensor.untyped_storage()
-        key = storage._cdata  # `storage_key`, with the storage at hand for its size
-        if key in self.input_storages:
-            return None
-        entry = self.live.get(key)
-        if entry is None:
-            size = storage.nbytes()
-            self.live[key] = [size, 1, part]
-            self.parts[part] += size
-            self.total += size
-        else:
-            entry[1] += 1
-        return key
-
-    def release(self, tensor: torch.Tensor) -> None:
-        """Stop counting `tensor`, which `hold` counted."""
-        self.release_storage(storage_key(tensor))
-
-    def release_storage(self, storage: int) -> None:
-        """Stop counting one value on `storage` (`storage_key`)."""
-        entry = self.live.get(storage)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.parts[entry[2]] -= entry[0]
-            self.total -= entry[0]
-            del self.live[storage]
-
-    def observe(self) -> None:
-        """Note what is held now."""
-        self.activation_peak = max(self.activation_peak, self.parts["activations"])
-        if self.total > self.peak_total:
-            self.peak_total = self.total
-            self.peak_parts = {**self.parts, "task_temporaries": 0}
-
-    def observe_task(self, peak: TaskPeak, released: list[int | None]) -> None:
-        """Note what is held at the `peak` of a task about to run, which frees by then its
-        inputs (those at `peak.released`) counted on the storages `released`."""
-        total = self.total + peak.made
-        freed: dict[str, int] = {}
-        for storage in released:
-            entry = self.live.get(storage) if storage is not None else None
-            if entry is not None and entry[1] == 1:  # no other value holds its storage
-                freed[entry[2]] = freed.get(entry[2], 0) + entry[0]
-                total -= entry[0]
-        if total > self.peak_total:
-            self.peak_total = total
-            self.peak_parts = {**{part: held - freed.get(part, 0) for part, held in self.parts.items()},
-                               "task_temporaries": peak.made}
-
-    def profile(self) -> "_MemoryProfile":
-        """What the run made at its peak, as counted so far."""
-        return _MemoryProfile(self.peak_total, dict(self.peak_parts), self.activation_peak)
-
-
-@dataclass(frozen=True)
-class _MemoryProfile:
-    """What a run of the program made at its peak: the bytes (`peak`), by part, and the most
-    bytes of activations held at once. Every run of a program makes the same values, so a
-    profile two runs in a row measured alike is the program's (`ProgramExecutor.profile`)."""
-
-    peak: int
-    parts: dict[str, int]
-    activation_peak: int
-
-    def with_held(self, held: dict[str, int]) -> dict[str, int]:
-        """The step's peak and its parts, with the parts `held` throughout the step."""
-        return {"peak": self.peak + sum(held.values()),
-                **{part: made + held.get(part, 0) for part, made in self.parts.items()}}
-
-
-class _Values:
-    """The program's values, in slots: each key the program reads, makes or hands back
-    has its own (`ProgramExecutor.slot_of`), None while it holds no value. The runtime
-    stores and frees values by the list of slots an instruction reads, makes or drops,
-    computed once for the program: a step does no key hashing and no per-value method
-    call. `sums` holds the slots whose value is a sum `accumulate` made."""
-
-    __slots__ = ("held", "sums")
-
-    def __init__(self, size: int):
-        self.held: list = [None] * size
-        self.sums: set[int] = set()  # slots whose value is a sum `accumulate` made
-
-    def set(self, slot: int, value) -> None:
-        self.held[slot] = value
-        if self.sums:
-            self.sums.discard(slot)
-
-    def drop(self, slots: Sequence[int]) -> None:
-        held = self.held
-        for slot in slots:
-            held[slot] = None
-        if self.sums:
-            self.sums.difference_update(slots)
-
-    def store(self, slots: Sequence[tuple[int, bool]], results: Sequence) -> None:
-        """Store a task's `results` in `slots`, each (slot, whether it is summed into)."""
-        held = self.held
-        for (slot, summed), value in zip(slots, results, strict=True):
-            if summed:
-                self.accumulate(slot, value)
-            else:
-                held[slot] = value
-                if self.sums:
-                    self.sums.discard(slot)
-
-    def accumulate(self, slot: int, value: torch.Tensor) -> None:
-        """Add `value` to the value held in `slot`, or hold it if there is none: into
-        a new tensor the first time (the value held may be read elsewhere, such as a
-        received buffer or a task's output), in place into that sum after, until the
-        sum is read (a partial sum sent to another rank must stay as it was sent)."""
-        held = self.held[slot]
-        if held is None:
-            self.set(slot, value)
-        elif slot in self.sums:
-            held.add_(value)
-        else:
-            self.set(slot, held + value)
-            self.sums.add(slot)
-
-
-class _CountedValues(_Values):
-    """`_Values` reporting every value set or dropped to a `_HeldBytes`, with the storage each
-    is counted on (a value's storage is looked up once, when it is set)."""
-
-    __slots__ = ("tracked", "keys", "counted")
-
-    def __init__(self, size: int, tracked: _HeldBytes, keys: Sequence[Key]):
-        super().__init__(size)
-        self.tracked = tracked
-        self.keys = keys  # each slot's key, which decides the memory part of its value
-        self.counted: dict[int, int] = {}  # slot -> the storage its value is counted on
-
-    def set(self, slot: int, value) -> None:
-        self._uncount(slot)
-        super().set(slot, value)
-        storage = self.tracked.add(self.keys[slot], value)
-        if storage is not None:
-            self.counted[slot] = storage
-
-    def drop(self, slots: Sequence[int]) -> None:
-        for slot in slots:
-            self._uncount(slot)
-        super().drop(slots)
-
-    def store(self, slots: Sequence[tuple[int, bool]], results: Sequence) -> None:
-        for (slot, summed), value in zip(slots, results, strict=True):
-            if summed:
-                self.accumulate(slot, value)
-            else:
-                self.set(slot, value)
-
-    def _uncount(self, slot: int) -> None:
-        storage = self.counted.pop(slot, None)
-        if storage is not None:
-            self.tracked.release_storage(storage)
-
-
 def _value(name: str, microbatch: int | None) -> str:
     return name if microbatch is None else f"{name} (microbatch {microbatch})"
 
 
-def _release_completed(sends: collections.deque[Sending], memory: _HeldBytes | None) -> None:
+def _release_completed(sends: collections.deque[Sending], memory: HeldBytes | None) -> None:
     """Let go of the sends that completed, oldest first, up to the first still in flight:
     their tensors are no longer held (nor counted in `memory`, if the run counts). Sends
     complete about in the order they were issued; asking every one in flight after every
@@ -285,7 +90,7 @@ class StepRun:
     stats are put together when asked for, not in every step."""
 
     timeline: StepTimeline
-    memory: "_MemoryProfile"
+    memory: MemoryProfile
     held: dict[str, int]
     comm_bytes: dict[str, int]
     instructions: int
@@ -352,7 +157,7 @@ class ProgramExecutor:
             index: [(program.key(name, run.microbatch), name in program.accumulated)
                     for run in instruction.runs for name in program.tasks[run.task].outputs]
             for index, instruction in enumerate(program.instructions) if isinstance(instruction, Run)}
-        # A slot for each value the program reads, makes or hands back (`_Values`); the
+        # A slot for each value the program reads, makes or hands back (`Values`); the
         # instructions' lists of keys become lists of slots.
         self.output_keys: list[tuple[str, Key]] = [(name, (name, None)) for name in program.outputs]
         keys = [key for _, key in self.output_keys]
@@ -374,8 +179,8 @@ class ProgramExecutor:
         self.program = program.without_graphs()
         # The memory the program makes: counted value by value on its runs until two in a
         # row measure the same (its values are the same every step), then this.
-        self.profile: _MemoryProfile | None = None
-        self._measured: _MemoryProfile | None = None  # the last run's, while counting
+        self.profile: MemoryProfile | None = None
+        self._measured: MemoryProfile | None = None  # the last run's, while counting
 
     def _task_peaks(self, reads: list[list[Key]], drop_after: list[list[Key]]) -> dict[int, tuple[TaskPeak, list[int]]]:
         """Per run instruction: its task's peak (`task_peak`) and the slots of the values it has
@@ -432,7 +237,7 @@ class ProgramExecutor:
                                 batch.issued)
 
     def _run(self, inputs: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position,
-             batch: P2PBatch, counting: bool) -> tuple[dict[str, torch.Tensor], _HeldBytes | None]:
+             batch: P2PBatch, counting: bool) -> tuple[dict[str, torch.Tensor], HeldBytes | None]:
         """Run the instructions; the outputs, and the bytes the run made if `counting`."""
         program = self.program
         pending_sends: collections.deque[Sending] = collections.deque()
@@ -453,13 +258,13 @@ class ProgramExecutor:
                 else:
                     values.set(slot, buffer)
 
-        memory: _HeldBytes | None = None
+        memory: HeldBytes | None = None
         if counting:
             input_storages = {storage_key(v) for v in inputs.values() if isinstance(v, torch.Tensor)}
-            memory = _HeldBytes(self.part_of, input_storages)
-            values = _CountedValues(len(self.keys), memory, self.keys)
+            memory = HeldBytes(self.part_of, input_storages)
+            values = CountedValues(len(self.keys), memory, self.keys)
         else:
-            values = _Values(len(self.keys))
+            values = Values(len(self.keys))
         slot_of = self.slot_of
         for key, value in inputs.items():  # not counted: the step's inputs are not what it makes
             slot = slot_of.get(key)
@@ -514,7 +319,7 @@ class ProgramExecutor:
         outputs = {name: held[slot_of[key]] for name, key in self.output_keys}
         return {name: value for name, value in outputs.items() if value is not None}, memory
 
-    def _run_task(self, instruction: Run, values: _Values, index: int) -> None:
+    def _run_task(self, instruction: Run, values: Values, index: int) -> None:
         held = values.held
         args = [held[slot] for slot in self.reads[index]]
         # Drop our references first, so the boxed task frees each input at its last use.
