@@ -1,6 +1,7 @@
 """Step time of piper_fx against PyTorch's own DDP, FSDP2 and pipelining, side by side in one run.
 
     python benchmarks/compare.py [--nproc 2] [--steps 10] [--rounds 3] [--codegen inductor|eager]
+                                 [--n-layer 2] [--n-embd 64] [--only zero=0 ...]
 
 Spawns the ranks (gloo on CPU) and trains the example GPT with each pair on the
 same data from the same initial weights. The native side runs twice: compiled
@@ -26,12 +27,16 @@ Pairs: ZeRO-0 vs DDP, ZeRO-3 vs FSDP2 `fully_shard`, ZeRO-2 vs FSDP2 with
 interleaved_1f1b, zbv, dualpipev) vs torch.distributed.pipelining's same
 schedule (it refuses compiled stages for the zero-bubble schedules, which split
 the backward: those run eager only). Pipelines use one block per stage and
-untied embeddings on both sides.
+untied embeddings on both sides. The model is the example GPT (2 blocks of width
+64 by default; `--n-layer` and `--n-embd` set the data-parallel pairs' depth and
+every pair's width): on a small model the fixed costs of a step (Dynamo's
+entry, the optimizer's per-parameter dispatch) weigh more than on a large one.
 A measurement, not a test: nothing here asserts a time.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -300,16 +305,15 @@ def run(rank: int, world: int, init_file: str, args, results) -> None:
     # Per pair: piper_fx's side, then the native side as {"compiled": maker, "eager": maker}.
     pairs = [
         ("zero=0 vs DDP", piper({"zero": 0, "codegen": args.codegen}),
-         {"compiled": ddp(True), "eager": ddp(False)}, CFG, world),
+         {"compiled": ddp(True), "eager": ddp(False)}, args.cfg, world),
         ("zero=3 vs FSDP2", piper({"zero": 3, "codegen": args.codegen}),
-         {"compiled": fsdp2(True, True), "eager": fsdp2(True, False)}, CFG, world),
+         {"compiled": fsdp2(True, True), "eager": fsdp2(True, False)}, args.cfg, world),
         ("zero=2 vs FSDP2 no-reshard", piper({"zero": 2, "codegen": args.codegen}),
-         {"compiled": fsdp2(False, True), "eager": fsdp2(False, False)}, CFG, world),
+         {"compiled": fsdp2(False, True), "eager": fsdp2(False, False)}, args.cfg, world),
     ]
     microbatches = 2 * world
     for schedule, (_, per_rank, _, accepts_compiled) in PIPELINE_SCHEDULES.items():
-        cfg = GPTConfig(vocab_size=CFG.vocab_size, block_size=CFG.block_size, n_layer=world * per_rank,
-                        n_head=CFG.n_head, n_embd=CFG.n_embd, tied_embeddings=False)
+        cfg = dataclasses.replace(args.cfg, n_layer=world * per_rank, tied_embeddings=False)
         native = {"eager": pipelining(schedule, microbatches, False)}
         if accepts_compiled:
             native = {"compiled": pipelining(schedule, microbatches, True), **native}
@@ -357,12 +361,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--per-rank-batch", type=int, default=8)
     parser.add_argument("--codegen", choices=["inductor", "eager"], default="inductor")
+    parser.add_argument("--n-layer", type=int, default=CFG.n_layer,
+                        help="blocks of the data-parallel pairs' GPT (pipelines: one block per stage)")
+    parser.add_argument("--n-embd", type=int, default=CFG.n_embd, help="every pair's GPT's width")
     parser.add_argument("--only", nargs="*", help="run only the pairs whose name contains one of these words")
     parser.add_argument("--foreach", choices=["on", "off"], default="on",
                         help="AdamW's foreach implementation on both sides (on: as on GPUs by default; off: "
                              "torch's CPU default, a loop over parameters, which pays DTensor's dispatch per "
                              "parameter and op where parameters are DTensors)")
     args = parser.parse_args()
+    args.cfg = dataclasses.replace(CFG, n_layer=args.n_layer, n_embd=args.n_embd)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -375,7 +383,7 @@ def main() -> None:
         for p in procs:
             p.join()
     tokens = args.per_rank_batch * args.nproc * CFG.block_size
-    print(f"{args.nproc} CPU ranks (gloo), GPT {CFG.n_layer}x{CFG.n_embd} (pipelines: one block per stage), "
+    print(f"{args.nproc} CPU ranks (gloo), GPT {args.n_layer}x{args.n_embd} (pipelines: one block per stage), "
           f"{tokens} tokens/step, {args.rounds} rounds of {args.steps} steps after {WARMUP} warm-up, piper_fx "
           f"codegen {args.codegen}, AdamW foreach {args.foreach}; per pair the slowest rank's time and the largest rank's memory; native: the "
           f"faster of compiled and eager; ms: median of the rounds' medians (spread of the rounds); "

@@ -1,6 +1,6 @@
 """Where one rank's data-parallel step goes: piper_fx ZeRO-0 against DDP + torch.compile, phase by phase.
 
-    python benchmarks/step_split.py [--nproc 2] [--steps 150] [--n-layer 2] [--skip-guards]
+    python benchmarks/step_split.py [--nproc 2] [--steps 150] [--n-layer 2] [--n-embd 64] [--skip-guards]
 
 Builds both sides as `compare.py` does (the example GPT, AdamW with foreach) in
 the same ranks and alternates their steps one by one, then prints, per side,
@@ -11,7 +11,8 @@ and their total; for piper_fx also its program's own time inside the call
 guards and the step's set-up) and the step's own work around the program, in
 the call and in `loss.backward()` (`step_call_s`). DDP's call is its forward;
 its backward holds the gradient all-reduces. `--n-layer` sets the model's depth
-(12 parameters a block), to see what grows with the parameters. A measurement,
+(12 parameters a block), to see what grows with the parameters, and `--n-embd` its
+width, to see what grows with the compute. A measurement,
 not a test: nothing here asserts a time.
 """
 from __future__ import annotations
@@ -42,12 +43,13 @@ WARMUP = 5
 PHASES = ("call", "backward", "optimizer", "zero_grad", "total")
 
 
-def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_guards: bool, n_layer: int) -> None:
+def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_guards: bool, n_layer: int,
+        n_embd: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
     makers = {"piper_fx zero=0": compare.piper({"zero": 0, "codegen": "inductor"}), "DDP + compile": compare.ddp(True)}
-    cfg = dataclasses.replace(compare.CFG, n_layer=n_layer)
+    cfg = dataclasses.replace(compare.CFG, n_layer=n_layer, n_embd=n_embd)
     sides = {}
     for name, make in makers.items():
         torch.manual_seed(0)
@@ -97,6 +99,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--per-rank-batch", type=int, default=8)
     parser.add_argument("--n-layer", type=int, default=compare.CFG.n_layer)
+    parser.add_argument("--n-embd", type=int, default=compare.CFG.n_embd)
     parser.add_argument("--skip-guards", action="store_true",
                         help="after the warm-up, call piper_fx's step under torch.compiler.set_stance("
                              "skip_guard_eval_unsafe=True): how much of its call is Dynamo's guards (DDP's "
@@ -104,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(run, args=(args.nproc, os.path.join(tmp, "rendezvous"), args.steps, args.per_rank_batch,
-                               args.skip_guards, args.n_layer),
+                               args.skip_guards, args.n_layer, args.n_embd),
                  nprocs=args.nproc)
 
 
