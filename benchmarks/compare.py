@@ -11,8 +11,9 @@ faster of the two is the baseline, and the table says which. The sides' steps
 alternate, in an order that is reversed every round; each side's time is the
 median over rounds of each round's median step, with the spread of the rounds
 ((max - min) / median). Beside it: tokens/s, peak tensor memory (parameters,
-gradients, optimizer state and the most a step allocates above them, from the
-profiler's memory events, the least of 3 steps), peak RSS per rank, compile time (first step with a
+gradients, optimizer state, what the library keeps between steps besides them
+(DDP's gradient buckets, pipeline stages' receive buffers), and the most a step
+allocates above them, from the profiler's memory events, the least of 3 steps), peak RSS per rank, compile time (first step with a
 cold Inductor cache, and again in a fresh Dynamo with the cache warm), and the
 loss after the last step (which must match); and piper_fx's runtime: the share
 of its program spent outside tasks and waits (`last_step_stats()["runtime_fraction"]`),
@@ -38,12 +39,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable, Iterable, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -68,15 +71,30 @@ def batch(step: int, rows: int):
     return x, torch.roll(x, -1, dims=1)
 
 
-def _resident_bytes(params, opt) -> int:
-    """Bytes of the distinct storages of parameters, gradients and optimizer state."""
-    tensors = [p for p in params] + [p.grad for p in params if p.grad is not None]
-    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+class Built(NamedTuple):
+    """A side as its maker builds it: the training step, the parameters, and the bytes its
+    library keeps from one step to the next besides the parameters, their gradients and
+    their optimizer state (DDP's gradient buckets, a pipeline stage's receive buffers)."""
+
+    step: Callable
+    params: Iterable[torch.Tensor]
+    kept_bytes: Callable[[], int] = lambda: 0
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of `tensors` (a DTensor's: this rank's local tensor's)."""
     storages = {}
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensors: this rank's shard
         storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(storages.values())
+
+
+def _resident_bytes(params, opt) -> int:
+    """Bytes of the distinct storages of parameters, gradients and optimizer state."""
+    tensors = [p for p in params] + [p.grad for p in params if p.grad is not None]
+    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    return _storage_bytes(tensors)
 
 
 def _reset_peak_rss() -> None:
@@ -107,7 +125,7 @@ class _Side:
     def build(self) -> None:
         torch.manual_seed(0)
         model = GPT(self.cfg)
-        step, params = self.make_step(model)
+        step, params, self.kept_bytes = self.make_step(model)
         self.step, self.params = step, list(params)
         self.opt = torch.optim.AdamW(self.params, lr=1e-3, foreach=self.foreach)
 
@@ -180,7 +198,7 @@ def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: 
         # which counts that buffer held to the end of the step.
         above = min(peak_allocated_bytes(lambda: side.run(i + k))[1] for k in range(PEAK_STEPS))
         result.update(step_s=step_s, spread=(max(rounds_s) - min(rounds_s)) / step_s, loss=loss.item() / world,
-                      peak_bytes=_resident_bytes(side.params, side.opt) + above)
+                      peak_bytes=_resident_bytes(side.params, side.opt) + side.kept_bytes() + above)
     torch._dynamo.reset()  # compile again: Inductor's caches are warm now
     for side, result in zip(sides, results):
         side.build()
@@ -191,7 +209,7 @@ def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: 
 def piper(options):
     def make(model):
         piper_fx.prepare(model, options)
-        return torch.compile(model, backend="piper", options=options), model.parameters()
+        return Built(torch.compile(model, backend="piper", options=options), model.parameters())
     return make
 
 
@@ -201,7 +219,10 @@ def ddp(compiled: bool):
     def make(model):
         from torch.nn.parallel import DistributedDataParallel
         wrapped = DistributedDataParallel(model)
-        return (torch.compile(wrapped) if compiled else wrapped), wrapped.parameters()
+
+        def buckets() -> int:  # its reducer's flat buffers, one per bucket, kept for the model's life
+            return sum(map(int, re.findall(r"\d+", str(wrapped._get_ddp_logging_data()["bucket_sizes"]))))
+        return Built(torch.compile(wrapped) if compiled else wrapped, wrapped.parameters(), buckets)
     return make
 
 
@@ -214,7 +235,7 @@ def fsdp2(reshard_after_forward: bool, compiled: bool):
                 block.compile()
             fully_shard(block, reshard_after_forward=reshard_after_forward)
         fully_shard(model, reshard_after_forward=reshard_after_forward)
-        return model, model.parameters()
+        return Built(model, model.parameters())
     return make
 
 
@@ -289,7 +310,12 @@ def pipelining(schedule: str, microbatches: int, compiled: bool):
             loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
             dist.all_reduce(loss)
             return loss
-        return step, params
+
+        def receive_buffers() -> int:  # each stage's, per microbatch, made by its first step and kept
+            infos = [info for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)
+                     for infos in table.values() for info in infos]
+            return _storage_bytes(info.buffer for info in infos if getattr(info, "buffer", None) is not None)
+        return Built(step, params, receive_buffers)
     return make
 
 
@@ -299,7 +325,7 @@ def piper_pipeline(schedule: str, microbatches: int, codegen: str):
                 "pipeline": {"schedule": schedule, "microbatches": microbatches}}
         model.block_context = lambda: piper_fx.annotate("PP")
         piper_fx.prepare(model, opts)
-        return torch.compile(model, backend="piper", options=opts), model.parameters()
+        return Built(torch.compile(model, backend="piper", options=opts), model.parameters())
     return make
 
 

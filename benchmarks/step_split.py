@@ -53,7 +53,7 @@ def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_g
     sides = {}
     for name, make in makers.items():
         torch.manual_seed(0)
-        step, params = make(compare.GPT(cfg))
+        step, params, _ = make(compare.GPT(cfg))
         params = list(params)
         sides[name] = (step, torch.optim.AdamW(params, lr=1e-3, foreach=True))
     times = {name: {phase: [] for phase in (*PHASES, "program", "own")} for name in sides}
