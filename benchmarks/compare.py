@@ -13,7 +13,8 @@ median over rounds of each round's median step, with the spread of the rounds
 ((max - min) / median). Beside it: tokens/s, peak tensor memory (parameters,
 gradients, optimizer state, what the library keeps between steps besides them
 (DDP's gradient buckets, pipeline stages' receive buffers), and the most a step
-allocates above them, from the profiler's memory events, the least of 3 steps), peak RSS per rank, compile time (first step with a
+allocates above them, from the profiler's memory events, the least of 3
+steps), peak RSS per rank, compile time (first step with a
 cold Inductor cache, and again in a fresh Dynamo with the cache warm), and the
 loss after the last step (which must match); and piper_fx's runtime: the share
 of its program spent outside tasks and waits (`last_step_stats()["runtime_fraction"]`),
