@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Callable
 
 import torch
@@ -177,9 +178,57 @@ from torch.fx.node import _get_qualified_name as qualified_name  # noqa: F401,E4
 def pickle_graphs(obj: object, kept_meta: Callable[[str], bool]) -> bytes:
     """`obj` pickled with every FX graph module in it, the node metadata whose keys `kept_meta`
     accepts alone (fake values as their shapes, strides, dtypes and devices), and ops of any
-    namespace; a node in a kept entry (such as the original a recomputation copies) as None."""
+    namespace; a node in a kept entry (such as the original a recomputation copies) as None.
+
+    A pickle whose fake values are all plain (`_plain_fake`: dense, not views, static
+    shapes) keeps each as its layout and storage (`_fake_from_layout`), which loads in
+    about 15 us a value; else every value is described whole by FX's pickler (its
+    `MetaConverter` rebuilds views, subclasses and symbolic shapes, at about 130 us a value,
+    most of loading a plan)."""
     from torch.fx._graph_pickler import Options
-    return _graph_pickler().dumps(obj, Options(ops_filter=None, node_metadata_key_filter=kept_meta))
+    options = Options(ops_filter=None, node_metadata_key_filter=kept_meta)
+    try:
+        return _graph_pickler(plain_fakes=True).dumps(obj, options)
+    except _NotPlainFake:
+        return _graph_pickler(plain_fakes=False).dumps(obj, options)
+
+
+class _NotPlainFake(Exception):
+    """A fake value `_plain_fake` refuses: the pickle describes every value whole instead."""
+
+
+def _plain_fake(fake) -> bool:
+    """Whether a fake value is what `_fake_from_layout` rebuilds exactly: a `FakeTensor` itself
+    (no subclass, no parameter), dense, not a view, of static sizes, strides and offset, a
+    leaf without a gradient, not an inference tensor, conjugate, negative or quantized view,
+    nor a constant or a value with dynamic dimensions marked."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return (type(fake) is FakeTensor and fake.layout == torch.strided and not fake._is_view()
+            and fake.is_leaf and fake.grad is None and not fake.is_inference() and not fake.is_conj()
+            and not fake.is_neg() and not fake.is_quantized and fake.constant is None
+            and not hasattr(fake, "_dynamo_dynamic_indices")
+            and all(type(n) is int for n in (*fake.shape, *fake.stride(), fake.storage_offset())))
+
+
+# Per load (`_UnpickleState`): the fake storages made so far, by their index in the pickle,
+# so that values sharing a storage when pickled share one when loaded.
+_LOADED_STORAGES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _fake_from_layout(state, storage: int, nbytes: int, shape: tuple, stride: tuple, offset: int,
+                      dtype: torch.dtype, device: torch.device, requires_grad: bool):
+    """A fake value in the load's fake mode with the given layout on the pickle's `storage`-th
+    storage (of `nbytes`), made as FX's unpickler makes one (`FakeTensor` around a meta tensor)
+    without describing it first."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._mode_utils import no_dispatch
+    storages = _LOADED_STORAGES.setdefault(state, {})
+    with no_dispatch():
+        if storage not in storages:
+            storages[storage] = torch.empty(nbytes, dtype=torch.uint8, device="meta").untyped_storage()
+        meta = torch.empty(0, dtype=dtype, device="meta").set_(storages[storage], offset, shape, stride)
+        fake = FakeTensor(state.fake_mode, meta, device)
+    return fake.requires_grad_() if requires_grad else fake
 
 
 def _unpickled_node() -> None:
@@ -187,23 +236,37 @@ def _unpickled_node() -> None:
 
 
 @functools.cache
-def _graph_pickler() -> type:
+def _graph_pickler(plain_fakes: bool) -> type:
     """FX's `GraphPickler`, but a fake view's base described without its fake mode, as the
     view itself is: torch 2.13 drops the mode of the view alone, and the base's (which the
     unpickler sets again) drags the whole fake mode into the pickle, which fails. A node
     held in metadata is pickled as None (what `Options(ignore_raw_node=True)` does from
-    torch 2.13; torch 2.11 has no such option and refuses the node)."""
+    torch 2.13; torch 2.11 has no such option and refuses the node). With `plain_fakes`,
+    each fake value is pickled as its layout and storage (`_fake_from_layout`), and one that
+    is not plain raises `_NotPlainFake`."""
     import dataclasses
 
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx._graph_pickler import GraphPickler, _TensorPickleData
 
     class PlanPickler(GraphPickler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.storage_indices: dict[int, int] = {}  # a fake value's storage -> its index
+
         def reducer_override(self, obj):
             if isinstance(obj, torch.fx.Node):
                 return _unpickled_node, ()
             if not isinstance(obj, FakeTensor):
                 return super().reducer_override(obj)
+            if plain_fakes:
+                if not _plain_fake(obj):
+                    raise _NotPlainFake()
+                untyped = obj.untyped_storage()
+                index = self.storage_indices.setdefault(untyped._cdata, len(self.storage_indices))
+                return _fake_from_layout, (self._unpickle_state, index, untyped.nbytes(), tuple(obj.shape),
+                                           obj.stride(), obj.storage_offset(), obj.dtype, obj.device,
+                                           obj.requires_grad)
             unpickle, (data, state) = _TensorPickleData.reduce_helper(self, obj)
             base = data.metadata.base
             if base is not None and base.fake_mode is not None:
@@ -215,4 +278,4 @@ def _graph_pickler() -> type:
 
 def load_graphs(data: bytes, fake_mode: FakeTensorMode) -> object:
     """What `pickle_graphs` pickled, fake values made in `fake_mode`."""
-    return _graph_pickler().loads(data, fake_mode)
+    return _graph_pickler(plain_fakes=False).loads(data, fake_mode)

@@ -1,5 +1,6 @@
 """The plan cache's key (`piper_fx.plan_cache.plan_key`): what planning reads is in it, what it
-does not read is not, and a graph whose text is not the same in every process is not cached.
+does not read is not, and a graph whose text is not the same in every process is not cached;
+a plan's fake values come back from its pickle as they went in.
 That a plan from the cache trains as the planned one, in the same process and a fresh one, is
 `test_compile_stats.py`'s."""
 from __future__ import annotations
@@ -96,3 +97,65 @@ def test_a_graph_calling_a_function_defined_in_a_function_is_not_cached():
             return super().forward(local_scale(x))
 
     assert _key(model=Scaled()) is None
+
+
+def _graph_with_values(values: dict[str, object]) -> torch.fx.GraphModule:
+    """A graph returning its inputs, one per entry of `values`, each input's `val` the entry."""
+    graph = torch.fx.Graph()
+    nodes = [graph.placeholder(name) for name in values]
+    graph.output(tuple(nodes))
+    for node, value in zip(nodes, values.values()):
+        node.meta["val"] = value
+    return torch.fx.GraphModule(nn.Module(), graph)
+
+
+def _layout(fake) -> tuple:
+    return (type(fake), tuple(fake.shape), fake.stride(), fake.storage_offset(), fake.untyped_storage().nbytes(),
+            fake.dtype, fake.device, fake.requires_grad, fake._is_view())
+
+
+def _round_trip(values: dict[str, object], *, plain: bool) -> dict[str, object]:
+    """`values` as a plan's graph pickles and loads them; `plain`: whether the pickle kept
+    each as its layout (`compat._fake_from_layout`) rather than as FX describes it."""
+    from piper_fx.compat import FakeTensorMode, ShapeEnv, load_graphs, pickle_graphs
+    data = pickle_graphs([_graph_with_values(values)], lambda key: key == "val")
+    assert (b"_fake_from_layout" in data) == plain
+    loaded = load_graphs(data, FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True))[0]
+    return {node.name: node.meta["val"] for node in loaded.graph.find_nodes(op="placeholder")}
+
+
+def test_a_pickled_plan_keeps_each_fake_value_and_which_values_share_a_storage():
+    """Plain fake values (dense, not views) are pickled as their layout and storage; loaded,
+    each has its shape, strides, offset, storage size, dtype, device and `requires_grad`, and
+    values that shared a storage (one value in two places, or two on one storage) share one."""
+    from piper_fx.compat import FakeTensorMode
+    with FakeTensorMode():
+        whole = torch.empty(4, 8)
+        rows = torch.empty(0).set_(whole.untyped_storage(), 8, (2, 8), (8, 1))  # not a view: offset 8
+        strided = torch.empty_strided((3, 5), (1, 3), dtype=torch.bfloat16)
+        trained = torch.empty(6).requires_grad_()
+    values = {"whole": whole, "rows": rows, "again": whole, "strided": strided, "trained": trained,
+              "pair": (whole, strided)}
+    loaded = _round_trip(values, plain=True)
+    for name, value in values.items():
+        if name == "pair":
+            assert [_layout(v) for v in loaded[name]] == [_layout(v) for v in value]
+        else:
+            assert _layout(loaded[name]) == _layout(value), name
+    storage = loaded["whole"].untyped_storage()._cdata
+    assert loaded["again"] is loaded["whole"] and loaded["pair"][0] is loaded["whole"]
+    assert loaded["rows"].untyped_storage()._cdata == storage
+    assert loaded["strided"].untyped_storage()._cdata != storage
+    assert len({v.fake_mode for v in (loaded["whole"], loaded["rows"], loaded["strided"])}) == 1
+
+
+def test_a_plan_with_a_fake_view_is_pickled_whole_by_fx():
+    """A view is not plain: the whole pickle falls back to FX's description of every value,
+    which keeps the view a view of its base."""
+    from piper_fx.compat import FakeTensorMode
+    with FakeTensorMode():
+        base = torch.empty(4, 8)
+        view = base[1:]
+    loaded = _round_trip({"base": base, "view": view}, plain=False)
+    assert _layout(loaded["view"]) == _layout(view) and loaded["view"]._is_view()
+    assert loaded["view"]._base.untyped_storage()._cdata == loaded["view"].untyped_storage()._cdata
