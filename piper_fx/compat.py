@@ -134,25 +134,41 @@ def drop_spec_guards(gm: torch.fx.GraphModule, indices: list[int]) -> int:
     frame's guards; returns how many it dropped (none outside a Dynamo compile).
     Public would be `torch.compile(..., options={"guard_filter_fn": ...})`, which only
     the caller of `torch.compile` can pass, and which no backend can."""
-    from torch._dynamo.source import AttrSource
+    from collections import defaultdict
+
+    from torch._dynamo.source import AttrSource, ChainedSource
 
     context = TracingContext.try_get()
     if context is None:
         return 0
     placeholders = gm.graph.find_nodes(op="placeholder")
-    sources = set()
+    targets = set()
     for index in indices:
         grapharg = placeholders[index].meta.get("grapharg")
         if grapharg is not None and grapharg.source is not None:
-            sources.add(grapharg.source)
+            targets.update(AttrSource(grapharg.source, member) for member in ("_spec", "device_mesh"))
     guards = context.guards_context.dynamo_guards
-    remove = getattr(guards, "remove_guards_with_source", None)
-    if remove is None:  # a torch without it keeps the guards: slower calls, same behaviour
-        return 0
+    if not targets or not hasattr(guards, "remove_guards_with_source"):
+        return 0  # a torch without it keeps the guards: slower calls, same behaviour
     before = len(guards)
-    for source in sources:
-        for member in ("_spec", "device_mesh"):
-            remove(AttrSource(source, member))
+    if not (hasattr(guards, "inner") and hasattr(guards, "source_to_guards")):
+        for target in targets:
+            guards.remove_guards_with_source(target)
+        return before - len(guards)
+
+    def derived(source) -> bool:  # `is_from_source(source, t)` for any target t, one walk
+        while source not in targets:
+            if not isinstance(source, ChainedSource):
+                return False
+            source = source.base
+        return True
+
+    # What `remove_guards_with_source` does for one source, for all of them in one pass over
+    # the guards (once per source, it went over every guard per parameter: quadratic).
+    guards.inner = type(guards.inner)(g for g in guards.inner if not derived(g.originating_source))
+    guards.source_to_guards = defaultdict(list)
+    for guard in guards.inner:
+        guards.track_guard_by_source(guard)
     return before - len(guards)
 
 
