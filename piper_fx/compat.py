@@ -199,7 +199,7 @@ def pickle_graphs(obj: object, kept_meta: Callable[[str], bool]) -> bytes:
     A pickle whose fake values are all plain (`_plain_fake`: dense, not views, static
     shapes) keeps each as its layout and storage (`_fake_from_layout`), which loads in
     about 15 us a value; else every value is described whole by FX's pickler (its
-    `MetaConverter` rebuilds views, subclasses and symbolic shapes, at about 130 us a value,
+    `MetaConverter` rebuilds views, subclasses and symbolic shapes, at about 120 us a value,
     most of loading a plan)."""
     from torch.fx._graph_pickler import Options
     options = Options(ops_filter=None, node_metadata_key_filter=kept_meta)
