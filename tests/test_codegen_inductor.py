@@ -122,3 +122,38 @@ def test_the_warm_up_probes_each_vector_isa_side_by_side_and_finds_what_inductor
                             check=True).stdout.strip().splitlines()[-1]
              for setup in (side_by_side, "pass")]
     assert found[0] == found[1] and found[0] != "[]", found
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"),
+                    reason="the record is kept for the x86 ISAs the warm-up checks side by side")
+def test_a_later_process_skips_loading_the_vector_isa_test_libraries_an_earlier_one_loaded():
+    """Inductor's check of each vector ISA ends in a subprocess loading its test library, in
+    every process; the warm-up keeps which loaded, so the next process on this machine
+    (a restarted job, another rank) loads none and finds the same ISAs."""
+    import shutil
+    import subprocess
+    import sys
+
+    from piper_fx.compat import inductor_cache_dir
+
+    probe = """
+import subprocess
+loads = []
+run = subprocess.run
+def counted(command, *args, **kwargs):
+    loads.extend(part for part in command if "LoadLibrary" in str(part))
+    return run(command, *args, **kwargs)
+subprocess.run = counted
+import torch
+from piper_fx.codegen import inductor
+from piper_fx.compat import valid_vec_isa_list
+inductor.WarmUp(torch.device("cpu")).wait()
+print(len(loads), [str(isa) for isa in valid_vec_isa_list()])
+"""
+    record = __import__("pathlib").Path(inductor_cache_dir()) / "piper_vec_isa"
+    shutil.rmtree(record, ignore_errors=True)
+    (first_loads, first), (later_loads, later) = [
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                       check=True).stdout.strip().splitlines()[-1].split(" ", 1) for _ in range(2)]
+    assert int(first_loads) > 0 and len(list(record.iterdir())) == int(first_loads), (first_loads, record)
+    assert int(later_loads) == 0 and later == first and first != "[]", (later_loads, later, first)

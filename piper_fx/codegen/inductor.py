@@ -6,15 +6,18 @@ The FX graph cache (TORCHINDUCTOR_CACHE_DIR) is shared across ranks and runs.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import platform
 import sys
 import threading
+from pathlib import Path
 
 import torch
 import torch.fx as fx
 
-from ..compat import (TracingContext, compile_fx_inner, inductor_config, supported_vec_isa_list, tracing,
-                      valid_vec_isa_list, x86_isa_checker)
+from ..compat import (TracingContext, check_vec_isa, compile_fx_inner, inductor_cache_dir, inductor_config,
+                      supported_vec_isa_list, tracing, valid_vec_isa_list, x86_isa_checker)
 from ..ir import Task
 from ..ops import WAIT, collective_kind
 from ..runtime.timing import WaitTimer
@@ -28,6 +31,8 @@ class WarmUp:
     one after the other). Each ISA's check is independent of the others' (its own
     flags, build and lock) and cached per ISA, so they run side by side, one thread each
     (0.8 s warm, 5 s cold on 2 cores), and `valid_vec_isa_list` then reads their answers.
+    Each check ends in a subprocess loading the ISA's test library, which a later process on
+    the same machine skips (`LoadedLibraries`): warm, the probe takes about 0.1 s.
     `wait()` before compiling: a compile that started before the probe ended would probe again."""
 
     def __init__(self, device: torch.device | None):
@@ -42,9 +47,43 @@ class WarmUp:
             self.thread = None
 
 
+class LoadedLibraries:
+    """The vector ISAs' test libraries that a process on this machine has seen load (the end
+    of Inductor's check of each ISA, `compat.check_vec_isa`), as marker files under
+    Inductor's cache directory. A marker's name hashes the library's path, size and
+    modification time and the machine (host, Python, torch, C library, the features the
+    CPU claims): a library built again, or a cache directory shared with another machine,
+    is probed afresh. Only loads that succeeded are kept, so a failed check is repeated."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.machine = "\0".join((platform.node(), sys.executable, torch.__file__, torch.__version__,
+                                  " ".join(platform.libc_ver()), " ".join(sorted(x86_isa_checker()))))
+
+    def _marker(self, library: str) -> Path:
+        status = os.stat(library)
+        key = "\0".join((self.machine, library, str(status.st_size), str(status.st_mtime_ns)))
+        return self.root / hashlib.sha256(key.encode()).hexdigest()
+
+    def loads(self, library: str) -> bool:
+        try:
+            return self._marker(library).exists()
+        except OSError:
+            return False
+
+    def loaded(self, library: str) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._marker(library).touch()
+        except OSError:  # not kept: the next process probes, as Inductor alone does
+            pass
+
+
 def _probe_cpu() -> None:
     try:
-        checks = [threading.Thread(target=bool, args=(isa,), name=f"piper_fx probe {isa}", daemon=True)
+        record = LoadedLibraries(Path(inductor_cache_dir()) / "piper_vec_isa")
+        checks = [threading.Thread(target=check_vec_isa, args=(isa, record.loads, record.loaded),
+                                   name=f"piper_fx probe {isa}", daemon=True)
                   for isa in _x86_candidates()]
         for check in checks:
             check.start()
