@@ -2,7 +2,7 @@
 compile in fresh processes: cold (an empty Inductor cache directory) and warm (a later run
 sharing the directory, as a second run of a training job does).
 
-    python benchmarks/compile_time.py [--nproc 2] [--rounds 3] [--only zero=0 ...]
+    python benchmarks/compile_time.py [--nproc 2] [--rounds 3] [--n-layer 2] [--n-embd 64] [--only zero=0 ...]
 
 Per pair and side: the cold first step once, and the warm first step `--rounds` times, each in
 new rank processes (the slowest rank's time, median and spread over rounds), with piper_fx's
@@ -10,13 +10,15 @@ new rank processes (the slowest rank's time, median and spread over rounds), wit
 obtained). Beside them, each side's RSS, the largest rank's: its peak over the compile and
 `STEPS` steps, and in brackets what it still held after them (median over the warm runs):
 memory measured in processes of its own, so neither side's count holds the other's (in
-`compare.py` both sides share each process). The pairs and models are `compare.py`'s (the example GPT, 8 sequences per rank);
+`compare.py` both sides share each process). The pairs and models are `compare.py`'s (the example GPT, 8 sequences per rank;
+`--n-layer` and `--n-embd` set the data-parallel pairs' depth and width, as there);
 the native side is the compiled one (DDP around a compiled model, FSDP2 with each block
 `.compile()`d, compiled pipeline stages). A measurement, not a test: nothing here asserts a time.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import statistics
@@ -35,20 +37,21 @@ PER_RANK = 8
 STEPS = 5  # steps after the first, within the peak RSS
 
 
-def _pairs(world: int) -> dict:
-    """name -> (piper_fx's maker, the native compiled maker, model config, data-parallel ranks)."""
+def _pairs(world: int, cfg: compare.GPTConfig = compare.CFG) -> dict:
+    """name -> (piper_fx's maker, the native compiled maker, model config, data-parallel ranks);
+    `cfg`: the data-parallel pairs' model."""
     pipeline_cfg = compare.GPTConfig(vocab_size=compare.CFG.vocab_size, block_size=compare.CFG.block_size,
                                      n_layer=world, n_head=compare.CFG.n_head, n_embd=compare.CFG.n_embd,
                                      tied_embeddings=False)
     return {
-        "zero=0 vs DDP": (compare.piper({"zero": 0}), compare.ddp(True), compare.CFG, world),
-        "zero=3 vs FSDP2": (compare.piper({"zero": 3}), compare.fsdp2(True, True), compare.CFG, world),
+        "zero=0 vs DDP": (compare.piper({"zero": 0}), compare.ddp(True), cfg, world),
+        "zero=3 vs FSDP2": (compare.piper({"zero": 3}), compare.fsdp2(True, True), cfg, world),
         "1f1b vs pipelining": (compare.piper_pipeline("1f1b", 2 * world, "inductor"),
                                compare.pipelining("1f1b", 2 * world, True), pipeline_cfg, 1),
     }
 
 
-def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str, side: int, results) -> None:
+def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str, side: int, cfg, results) -> None:
     """One rank: build `pair`'s side, time its first step (barrier to barrier), take `STEPS`
     more, and report with its RSS."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
@@ -58,7 +61,7 @@ def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str
     import piper_fx
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    seconds = _train(rank, world, pair, side)
+    seconds = _train(rank, world, pair, side, cfg)
     # The side's model is gone before its process group: DDP's reducer freed after
     # `destroy_process_group` can hang in the group's destructor at exit.
     gc.collect()
@@ -70,12 +73,12 @@ def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str
     dist.destroy_process_group()
 
 
-def _train(rank: int, world: int, pair: str, side: int) -> float:
+def _train(rank: int, world: int, pair: str, side: int, cfg) -> float:
     """Build `pair`'s side and train it `1 + STEPS` steps; the first step's seconds."""
     import torch
     import torch.distributed as dist
 
-    entry = _pairs(world)[pair]
+    entry = _pairs(world, cfg)[pair]
     make, cfg, dp = entry[side], entry[2], entry[3]
     torch.manual_seed(0)
     model = compare.GPT(cfg)
@@ -98,14 +101,14 @@ def _train(rank: int, world: int, pair: str, side: int) -> float:
     return seconds
 
 
-def _run(world: int, cache_dir: str, pair: str, side: int) -> tuple[float, tuple[float, float], str | None]:
+def _run(world: int, cache_dir: str, pair: str, side: int, cfg) -> tuple[float, tuple[float, float], str | None]:
     """The first step of `pair`'s `side` (0: piper_fx, 1: native) in `world` new processes:
     its time, the largest rank's RSS in MB (peak, held after the steps), and piper_fx's
     compile summary."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_first_step, args=(r, world, os.path.join(tmp, "rdv"), cache_dir, pair, side,
+        procs = [ctx.Process(target=_first_step, args=(r, world, os.path.join(tmp, "rdv"), cache_dir, pair, side, cfg,
                                                        results)) for r in range(world)]
         for p in procs:
             p.start()
@@ -127,8 +130,11 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="warm runs per side")
     parser.add_argument("--only", nargs="*", help="run only the pairs whose name contains one of these words")
+    parser.add_argument("--n-layer", type=int, default=compare.CFG.n_layer, help="the data-parallel pairs' depth")
+    parser.add_argument("--n-embd", type=int, default=compare.CFG.n_embd, help="the data-parallel pairs' width")
     args = parser.parse_args()
-    print(f"{args.nproc} CPU ranks (gloo), first step (compile + one step) in new processes; cold: empty "
+    cfg = dataclasses.replace(compare.CFG, n_layer=args.n_layer, n_embd=args.n_embd)
+    print(f"{args.nproc} CPU ranks (gloo), data-parallel GPT {args.n_layer}x{args.n_embd}, first step (compile + one step) in new processes; cold: empty "
           f"Inductor cache directory, warm: a later run sharing it (median of {args.rounds} (spread)); "
           f"RSS: the largest rank's peak over the compile and {STEPS + 1} steps (and held after them); ratio = "
           f"piper / native compiled")
@@ -136,16 +142,16 @@ def main() -> None:
           f"{'warm s native (spread)':>23} {'ratio':>5} {'cold RSS MB peak (held)':>27} {'ratio':>11} "
           f"{'warm RSS MB peak (held)':>27} {'ratio':>11}  piper's last warm compile_stats")
     with tempfile.TemporaryDirectory() as tmp:
-        for index, pair in enumerate(_pairs(args.nproc)):
+        for index, pair in enumerate(_pairs(args.nproc, cfg)):
             if args.only and not any(word in pair for word in args.only):
                 continue
             cold, warm, cold_rss, warm_rss, summary = [], [], [], [], None
             for side in (0, 1):
                 cache_dir = os.path.join(tmp, f"pair{index}_side{side}")
-                seconds, rss, _ = _run(args.nproc, cache_dir, pair, side)
+                seconds, rss, _ = _run(args.nproc, cache_dir, pair, side, cfg)
                 cold.append(seconds)
                 cold_rss.append(rss)
-                runs = [_run(args.nproc, cache_dir, pair, side) for _ in range(args.rounds)]
+                runs = [_run(args.nproc, cache_dir, pair, side, cfg) for _ in range(args.rounds)]
                 warm.append([seconds for seconds, _, _ in runs])
                 warm_rss.append(tuple(statistics.median(rss[k] for _, rss, _ in runs) for k in (0, 1)))
                 summary = summary or runs[-1][2]
