@@ -26,6 +26,8 @@ to `param_dtype`), a marker read only through that cast is gathered in
 """
 from __future__ import annotations
 
+import heapq
+
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
@@ -73,17 +75,27 @@ def _gather_once_per_step(dag: TrainingDAG, strategy: Strategy, markers: list[fx
         graph.erase_node(marker)
 
 
-def _parameter_only_chain(marker: fx.Node, forward: set[fx.Node]) -> list[fx.Node]:
-    """The marker and the forward ops computed from it alone (views, casts), in graph order."""
+def _parameter_only_chain(marker: fx.Node, forward: set[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
+    """The marker and the forward ops computed from it alone (views, casts), in graph order
+    (`order`: the forward ops' positions). Walks from the marker through users, nearest
+    first: each op is reached from an input, so the walk ends with the chain, not with the
+    graph (a scan to the graph's end per parameter was quadratic in the model's size)."""
     chain = [marker]
     members = {marker}
-    node = marker.next
-    while node.op != "output":
-        if node in forward and node.op == "call_function" and node.all_input_nodes and all(
-                i in members for i in node.all_input_nodes):
+    reached = [(order[user], user) for user in marker.users if user in forward]
+    heapq.heapify(reached)
+    seen = set()
+    while reached:  # positions popped only grow: a user comes after what it reads
+        _, node = heapq.heappop(reached)
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "call_function" and all(i in members for i in node.all_input_nodes):
             chain.append(node)
             members.add(node)
-        node = node.next
+            for user in node.users:
+                if user in forward and user not in seen:
+                    heapq.heappush(reached, (order[user], user))
     return chain
 
 
@@ -103,7 +115,7 @@ def _gather_per_use(dag: TrainingDAG, strategy: Strategy, markers: list[fx.Node]
     units = find_units(dag)
     for marker in markers:
         unit = {UNIT: units.group(marker)}
-        chain = _parameter_only_chain(marker, forward)
+        chain = _parameter_only_chain(marker, forward, order)
         backward_uses = [(user, node) for node in chain for user in node.users if user not in forward]
         if backward_uses:
             first_use = min((user for user, _ in backward_uses), key=order.__getitem__)
