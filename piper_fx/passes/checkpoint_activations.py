@@ -86,7 +86,11 @@ def _light(node: fx.Node) -> bool:
     """A pure op whose recomputation is as cheap as reading its output: not a matmul or
     attention, not a marker, not inside an EP region."""
     return node.op == "call_function" and not is_heavy(node) and not node.is_impure() \
-        and node.target not in ZERO_MARKERS + EXPERT_MARKERS and not in_expert_region(node)
+        and node.target not in ZERO_MARKERS and not _expert(node)
+
+
+def _expert(node: fx.Node) -> bool:
+    return in_expert_region(node) or node.target in EXPERT_MARKERS
 
 
 def _free_to_recompute(graph: fx.Graph, forward: set[fx.Node], held: set[str]) -> set[fx.Node]:
@@ -98,7 +102,8 @@ def _free_to_recompute(graph: fx.Graph, forward: set[fx.Node], held: set[str]) -
     from the forward to the backward, and each light op is recomputed at most once. A
     marker's value (a sharded parameter gathered) is kept only where the backward reads it:
     recomputing from one the backward does not read would gather it again (an embedding
-    table, for its lookup)."""
+    table, for its lookup). A value an EP region's backward reads is kept: a copy read there
+    would be dispatched to the experts again."""
     read_by_backward = {value for node in graph.nodes if node.op == "call_function" and node not in forward
                         for value in node.all_input_nodes if value in forward}
     free: set[fx.Node] = set()
@@ -110,7 +115,8 @@ def _free_to_recompute(graph: fx.Graph, forward: set[fx.Node], held: set[str]) -
     for node in graph.nodes:
         if node.op == "placeholder" or node not in forward:
             continue
-        if _light(node) and all(kept(value) or value in steps or value in free for value in node.all_input_nodes):
+        if _light(node) and all(kept(value) or value in steps or value in free for value in node.all_input_nodes) \
+                and not any(user not in forward and _expert(user) for user in node.users):
             (free if node in read_by_backward else steps).add(node)
     return free | steps
 
