@@ -59,7 +59,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import piper_fx  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
-from piper_fx.runtime.memory import peak_allocated_bytes  # noqa: E402
+from piper_fx.runtime.memory import peak_allocated_bytes, storage_bytes  # noqa: E402
 
 CFG = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64)
 WARMUP = 3
@@ -82,20 +82,11 @@ class Built(NamedTuple):
     kept_bytes: Callable[[], int] = lambda: 0
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the distinct storages of `tensors` (a DTensor's: this rank's local tensor's)."""
-    storages = {}
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensors: this rank's shard
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
 def _resident_bytes(params, opt) -> int:
     """Bytes of the distinct storages of parameters, gradients and optimizer state."""
     tensors = [p for p in params] + [p.grad for p in params if p.grad is not None]
     tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    return _storage_bytes(tensors)
+    return storage_bytes(tensors)
 
 
 def _reset_peak_rss() -> None:
@@ -315,7 +306,7 @@ def pipelining(schedule: str, microbatches: int, compiled: bool):
         def receive_buffers() -> int:  # each stage's, per microbatch, made by its first step and kept
             infos = [info for stage in stages for table in (stage.args_recv_info, stage.grad_recv_info)
                      for infos in table.values() for info in infos]
-            return _storage_bytes(info.buffer for info in infos if getattr(info, "buffer", None) is not None)
+            return storage_bytes(info.buffer for info in infos if getattr(info, "buffer", None) is not None)
         return Built(step, params, receive_buffers)
     return make
 

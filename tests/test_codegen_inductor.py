@@ -1,5 +1,8 @@
 """Inductor code generation: C++ kernels per task, same numerics as eager."""
 
+import platform
+from pathlib import Path
+
 import pytest
 
 from ranks import run_ranks
@@ -124,7 +127,7 @@ def test_the_warm_up_probes_each_vector_isa_side_by_side_and_finds_what_inductor
     assert found[0] == found[1] and found[0] != "[]", found
 
 
-@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"),
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
                     reason="the record is kept for the x86 ISAs the warm-up checks side by side")
 def test_a_later_process_skips_loading_the_vector_isa_test_libraries_an_earlier_one_loaded():
     """Inductor's check of each vector ISA ends in a subprocess loading its test library, in
@@ -150,7 +153,7 @@ from piper_fx.compat import valid_vec_isa_list
 inductor.WarmUp(torch.device("cpu")).wait()
 print(len(loads), [str(isa) for isa in valid_vec_isa_list()])
 """
-    record = __import__("pathlib").Path(inductor_cache_dir()) / "piper_vec_isa"
+    record = Path(inductor_cache_dir()) / "piper_vec_isa"
     shutil.rmtree(record, ignore_errors=True)
     (first_loads, first), (later_loads, later) = [
         subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
