@@ -103,3 +103,38 @@ def test_the_optimizer_state_part_is_counted_again_only_when_the_state_is_made_l
     assert step(adam) == (0, 3 * (one + 16 * 4))
     adam.state[params[0]] = {}  # the others' state is as counted: nothing to count, one to drop
     assert step(adam, stepped=params[1:]) == (0, 2 * (one + 16 * 4))
+
+
+def test_a_storage_several_task_inputs_view_is_freed_once_the_runtime_frees_every_one_of_them():
+    # q, k and v split from one projection: three inputs of the backward on one storage. The
+    # task's peak frees it once the last of them is read, if the runtime frees all three;
+    # the runtime's count drops it when it held nothing else on it.
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from piper_fx.runtime.memory import storage_key, task_peak
+    from piper_fx.runtime.values import HeldBytes
+
+    def backward(q, k, v, w):
+        s = (q @ w + k @ w + v @ w).sum()  # the last reads of q, k and v
+        return w.repeat(32, 32) * s  # the task's peak, after them
+
+    qkv, w = torch.randn(16, 3 * 8), torch.randn(8, 8)
+    q, k, v = qkv.split(8, dim=1)
+    graph = make_fx(backward, tracing_mode="fake")(q, k, v, w).graph
+    placeholders = graph.find_nodes(op="placeholder")
+    assert len({storage_key(p.meta["val"]) for p in placeholders[:3]}) == 1  # traced as views of one tensor
+
+    released = task_peak(graph, releasable=(0, 1, 2))
+    pinned = task_peak(graph, releasable=(0, 1))  # v is the caller's: the storage stays
+    assert sorted(released.released) == [0, 1, 2] and pinned.released == ()
+    assert released.made == pinned.made
+
+    held = HeldBytes({}, set())
+    storages = [held.add((name, 0), value) for name, value in zip("qkv", (q, k, v))]
+    assert held.total == qkv.untyped_storage().nbytes()
+    held.observe_task(released, storages)
+    assert held.profile().peak == released.made  # the projection freed by the task's peak
+    held.add(("other", 0), qkv)  # a value the task does not read holds the storage too
+    held.observe_task(released, storages)
+    assert held.profile().peak == released.made + qkv.untyped_storage().nbytes()

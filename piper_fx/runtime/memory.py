@@ -155,7 +155,7 @@ def optimizer_state_version() -> int:
 class TaskPeak:
     """The moment a task run holds the most: `made` bytes of tensors it made and still
     holds (its outputs included), once it has freed the inputs at `released` (their
-    positions among the task's inputs)."""
+    positions among the task's inputs; all of those on a storage it has freed)."""
 
     made: int
     released: tuple[int, ...]
@@ -168,8 +168,10 @@ def task_peak(graph: fx.Graph, releasable: Collection[int] = ()) -> TaskPeak:
     costs nothing. For Inductor's code it is an estimate only: fusion removes some of
     these tensors, and its own buffers and the collectives' workspaces add others.
     The inputs at the positions `releasable` are the runtime's to free: it drops
-    them before the run, so each is freed at its last use inside the task. Inputs,
-    and views of them, are counted where the inputs are. A recomputation copy
+    them before the run, so each is freed at its last use inside the task, and a
+    storage several inputs view (q, k and v split from one projection) once all of
+    them are, unless an input it does not free views it too. Inputs, and views of
+    them, are counted where the inputs are. A recomputation copy
     (`ops.RECOMPUTES`) carries its original's fake value: its storage, and views
     of it, count apart from the original's."""
     tagged: dict[fx.Node, list[tuple[tuple[int, bool], int]]] = {}
@@ -188,8 +190,10 @@ def task_peak(graph: fx.Graph, releasable: Collection[int] = ()) -> TaskPeak:
     last_use: dict[tuple, int] = {}  # storage -> index of the last node that is or reads a value on it
     sizes: dict[tuple, int] = {}
     made_at: dict[tuple, int] = {}  # storage the task makes -> index of the node making it
-    input_at: dict[tuple, int] = {}  # storage of a releasable input -> its position
-    input_bytes: dict[int, int] = {}  # position of a releasable input -> its bytes
+    # Storage of inputs -> their positions (several where inputs are views of one tensor:
+    # a q, k and v split from one projection), and the storages an input not releasable holds.
+    input_at: dict[tuple, list[int]] = {}
+    pinned: set[tuple] = set()
     inputs: set[tuple] = set()
     outputs: set[tuple] = set()
     placeholders = 0
@@ -200,9 +204,10 @@ def task_peak(graph: fx.Graph, releasable: Collection[int] = ()) -> TaskPeak:
         for key, nbytes in storages(node):
             if node.op == "placeholder":
                 inputs.add(key)
-                if placeholders in releasable:
-                    input_at[key], sizes[key] = placeholders, nbytes
-                    input_bytes[placeholders] = nbytes
+                input_at.setdefault(key, []).append(placeholders)
+                sizes[key] = nbytes
+                if placeholders not in releasable:
+                    pinned.add(key)
             elif key not in inputs and key not in made_at:
                 made_at[key], sizes[key] = index, nbytes
             last_use[key] = index
@@ -212,14 +217,14 @@ def task_peak(graph: fx.Graph, releasable: Collection[int] = ()) -> TaskPeak:
                 last_use[key] = index
     made = [0] * len(nodes)  # bytes of the storages each node makes
     freed = [0] * len(nodes)  # bytes freed once each node has run
-    released: list[list[int]] = [[] for _ in nodes]  # releasable inputs freed once each node has run
+    released: list[list[tuple]] = [[] for _ in nodes]  # input storages freed once each node has run
     for key, index in made_at.items():
         made[index] += sizes[key]
         if key not in outputs:
             freed[last_use[key]] += sizes[key]
-    for key, position in input_at.items():
-        if key not in outputs:
-            released[last_use[key]].append(position)
+    for key in input_at:
+        if key not in outputs and key not in pinned:  # every input on it is the runtime's to free
+            released[last_use[key]].append(key)
     holding = net = best_net = 0  # bytes of made storages held; that less the released inputs' bytes
     best, gone = TaskPeak(0, ()), []
     for index in range(len(nodes)):
@@ -229,9 +234,9 @@ def task_peak(graph: fx.Graph, releasable: Collection[int] = ()) -> TaskPeak:
             best, best_net = TaskPeak(holding, tuple(gone)), net
         holding -= freed[index]
         net -= freed[index]
-        for position in released[index]:
-            gone.append(position)
-            net -= input_bytes[position]
+        for key in released[index]:
+            gone.extend(input_at[key])
+            net -= sizes[key]
     return best
 
 

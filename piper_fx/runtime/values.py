@@ -3,6 +3,7 @@ still measures what the program makes, counted by memory part as they come and g
 (`CountedValues` reporting to `HeldBytes`, whose peak is a run's `MemoryProfile`)."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -86,12 +87,13 @@ class HeldBytes:
 
     def observe_task(self, peak: TaskPeak, released: list[int | None]) -> None:
         """Note what is held at the `peak` of a task about to run, which frees by then its
-        inputs (those at `peak.released`) counted on the storages `released`."""
+        inputs (those at `peak.released`) counted on the storages `released` (one entry
+        per input: a storage is freed once every value the runtime holds on it is)."""
         total = self.total + peak.made
         freed: dict[str, int] = {}
-        for storage in released:
-            entry = self.live.get(storage) if storage is not None else None
-            if entry is not None and entry[1] == 1:  # no other value holds its storage
+        for storage, values in Counter(s for s in released if s is not None).items():
+            entry = self.live.get(storage)
+            if entry is not None and entry[1] == values:  # no other value holds its storage
                 freed[entry[2]] = freed.get(entry[2], 0) + entry[0]
                 total -= entry[0]
         if total > self.peak_total:
