@@ -24,7 +24,12 @@ Between any two ranks, receives are posted in the order the peer sends (as
 NCCL, which ignores tags, needs); each transfer also has its own tag, so
 under gloo too a receive never matches the wrong message; and
 since every transfer follows a schedule dependency, a schedule that validates
-cannot deadlock at run time (sends do not block). Without a pipeline this is
+cannot deadlock at run time (sends do not block). Each send that the peer
+answers (a message it sends back after its first read of the sent value) is
+acknowledged by that answer's receive (`RankProgram.acknowledged_by`): once it
+has arrived, the sent tensor is the peer's, and the runtime lets go of it
+(gloo reports a send complete only once it is waited for, and waiting for one
+the peer has not received would block). Without a pipeline this is
 one rank running P0, F0, B0, E0 (those that exist).
 """
 from __future__ import annotations
@@ -64,6 +69,7 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
             num_microbatches=strategy.microbatches,
         )
     _receive_in_send_order(dag.programs)
+    _acknowledge_sends(dag.programs)
     return dag
 
 
@@ -302,3 +308,34 @@ def _receive_in_send_order(programs: dict[int, RankProgram]) -> None:
         keyed = [((position[i][0], 0, position[i][1], position[i][2]) if i in position else (i, 1, 0, 0), ins)
                  for i, ins in enumerate(instructions)]
         program.instructions = [ins for _, ins in sorted(keyed, key=lambda item: item[0])]
+
+
+def _acknowledge_sends(programs: dict[int, RankProgram]) -> None:
+    """Set each program's `acknowledged_by`: for a send to a peer, the first message the peer
+    sends back at or after its first instruction reading the sent value (where its runtime
+    waits for the receive), if any. Such a message leaves the peer only once the send's
+    bytes have arrived there."""
+    for rank, program in programs.items():
+        for send in (i for i in program.instructions if isinstance(i, Send)):
+            peer = programs.get(send.peer)
+            if peer is None:
+                continue
+            answer = _first_answer(peer, send.tag, rank)
+            if answer is not None:
+                program.acknowledged_by[send.tag] = answer
+
+
+def _first_answer(program: RankProgram, tag: int, to: int) -> int | None:
+    """The tag of the first send to rank `to` in `program` at or after the first reader of
+    its receive tagged `tag` (None if there is no such send, or no reader)."""
+    instructions = program.instructions
+    posted = next((i for i, ins in enumerate(instructions) if isinstance(ins, Recv) and ins.tag == tag), None)
+    if posted is None:
+        return None
+    key = program.key(instructions[posted].value, instructions[posted].microbatch)
+    # The runtime waits for a receive at the first instruction other than a receive reading it.
+    read = next((i for i in range(posted + 1, len(instructions))
+                 if not isinstance(instructions[i], Recv) and key in program.reads(instructions[i])), None)
+    if read is None:
+        return None
+    return next((ins.tag for ins in instructions[read:] if isinstance(ins, Send) and ins.peer == to), None)

@@ -55,6 +55,16 @@ def _release_completed(sends: collections.deque[Sending], memory: HeldBytes | No
             memory.release(send.wire)
 
 
+def _release_acknowledged(sends: collections.deque[Sending], tags: frozenset[int], memory: HeldBytes | None) -> None:
+    """Let go of the sends tagged `tags`, which the peer has received (`RankProgram.acknowledged_by`):
+    their works are waited for, which returns at once, and their tensors no longer held."""
+    for send in [send for send in sends if send.tag in tags]:
+        send.batch.wait(send.message)
+        sends.remove(send)
+        if memory is not None:
+            memory.release(send.wire)
+
+
 class _Position:
     """Where the program is, kept up to date as it runs, so a failure can say where it stopped."""
 
@@ -174,6 +184,11 @@ class ProgramExecutor:
         self.results: dict[int, list[tuple[int, bool]]] = {
             index: [(slots[key], summed) for key, summed in stored] for index, stored in results.items()}
         self.moved: dict[int, int] = {index: slots[key] for index, key in moved.items()}  # a send's or receive's value
+        # Receive tag -> the tags of the sends whose tensors the peer has once it arrived.
+        acknowledges: dict[int, set[int]] = {}
+        for send, receive in program.acknowledged_by.items():
+            acknowledges.setdefault(receive, set()).add(send)
+        self.acknowledges = {tag: frozenset(sends) for tag, sends in acknowledges.items()}
         self.labels = {index: program.instructions[index].label for index in self.results}  # the runs' spans
         self.task_peaks = self._task_peaks(reads, drop_after)
         self.program = program.without_graphs()
@@ -239,7 +254,7 @@ class ProgramExecutor:
     def _run(self, inputs: dict[Key, torch.Tensor], timeline: StepTimeline, position: _Position,
              batch: P2PBatch, counting: bool) -> tuple[dict[str, torch.Tensor], HeldBytes | None]:
         """Run the instructions; the outputs, and the bytes the run made if `counting`."""
-        program = self.program
+        program, acknowledges = self.program, self.acknowledges
         pending_sends: collections.deque[Sending] = collections.deque()
         receiving: dict[int, list[Receiving]] = {}  # receives by slot, completed by the value's first reader
         # `batch`: the sends and receives not issued yet, those since the last other instruction.
@@ -257,6 +272,9 @@ class ProgramExecutor:
                     values.accumulate(slot, buffer)
                 else:
                     values.set(slot, buffer)
+                acknowledged = acknowledges.get(posted.instruction.tag)
+                if acknowledged and pending_sends:
+                    _release_acknowledged(pending_sends, acknowledged, memory)
 
         memory: HeldBytes | None = None
         if counting:
