@@ -27,7 +27,7 @@ outputs, the next region's inputs, are kept):
   - whatever the mode, the ops the model's own `torch.utils.checkpoint` tagged
     to recompute (AOTAutograd's `recompute` meta), so its regions keep only
     their inputs, as in eager PyTorch.
-Whatever the mode, without a pipeline, also what costs no memory to recompute
+Whatever the mode, also what costs no memory to recompute
 (`_free_to_recompute`): a value the backward reads that light ops (not matmuls
 or attention) make from the parameters and the values the backward reads
 anyway, such as a GELU's output from its input (which its backward reads) or a
@@ -35,9 +35,7 @@ layer norm's output from its input. Keeping it would hold its bytes from the
 forward to the backward; recomputing it costs a pointwise pass in the backward,
 and keeps nothing more. (AOTAutograd's min-cut partitioner, which Inductor
 uses, keeps such a value where the backward needs it materialized, as the
-input of a weight gradient's matmul.) Under a pipeline it is not done yet: the
-step's memory stats then count 1-4% more than the allocator's peak in 1F1B's
-and DualPipeV's stages, for a reason not yet found.
+input of a weight gradient's matmul.)
 Never recomputed: placeholders, markers (a read of a sharded parameter: the
 collective passes gather it again for the backward), and ops inside an EP
 region (recomputing them would dispatch the tokens to the experts again).
@@ -139,8 +137,7 @@ def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     graph = dag.joint.graph
     forward = forward_nodes(dag)
     recomputable = {n for n in graph.nodes if n in forward and _recomputable(n, strategy, forward)}
-    if strategy.pp == 1:
-        recomputable |= _free_to_recompute(graph, forward, {i.name for i in dag.inputs if i.role in HELD_ROLES})
+    recomputable |= _free_to_recompute(graph, forward, {i.name for i in dag.inputs if i.role in HELD_ROLES})
     # A part of a multi-output op (attention's output) is recomputed with the op or kept with it.
     recomputable -= {n for n in recomputable if n.target is operator.getitem and n.args[0] not in recomputable}
     if not recomputable:
