@@ -34,6 +34,7 @@ one rank running P0, F0, B0, E0 (those that exist).
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from ..ir import (InputRole, Instruction, OutputRole, RankProgram, Recv, Run, Send, Task, TaskKind,
@@ -313,29 +314,30 @@ def _receive_in_send_order(programs: dict[int, RankProgram]) -> None:
 def _acknowledge_sends(programs: dict[int, RankProgram]) -> None:
     """Set each program's `acknowledged_by`: for a send to a peer, the first message the peer
     sends back at or after its first instruction reading the sent value (where its runtime
-    waits for the receive), if any. Such a message leaves the peer only once the send's
-    bytes have arrived there."""
+    waits for the receive; not a receive, which waits for nothing), if any. Such a message
+    leaves the peer only once the send's bytes have arrived there."""
+    answers: dict[int, dict[int, int]] = {}  # rank -> tag of a receive there -> tag of its answer
     for rank, program in programs.items():
-        for send in (i for i in program.instructions if isinstance(i, Send)):
-            peer = programs.get(send.peer)
-            if peer is None:
+        instructions = program.instructions
+        readers: dict[tuple, list[int]] = {}  # value -> the instructions reading it, in order
+        sends: dict[int, list[int]] = {}  # peer -> the positions of the sends to it
+        for index, instruction in enumerate(instructions):
+            if isinstance(instruction, Send):
+                sends.setdefault(instruction.peer, []).append(index)
+            if not isinstance(instruction, Recv):
+                for key in program.reads(instruction):
+                    readers.setdefault(key, []).append(index)
+        answers[rank] = {}
+        for index, instruction in enumerate(instructions):
+            if not isinstance(instruction, Recv):
                 continue
-            answer = _first_answer(peer, send.tag, rank)
+            read = readers.get(program.key(instruction.value, instruction.microbatch), [])
+            first_read = read[bisect.bisect_right(read, index)] if read and read[-1] > index else None
+            back = sends.get(instruction.peer, [])
+            if first_read is not None and back and back[-1] >= first_read:
+                answers[rank][instruction.tag] = instructions[back[bisect.bisect_left(back, first_read)]].tag
+    for program in programs.values():
+        for send in (i for i in program.instructions if isinstance(i, Send)):
+            answer = answers.get(send.peer, {}).get(send.tag)
             if answer is not None:
                 program.acknowledged_by[send.tag] = answer
-
-
-def _first_answer(program: RankProgram, tag: int, to: int) -> int | None:
-    """The tag of the first send to rank `to` in `program` at or after the first reader of
-    its receive tagged `tag` (None if there is no such send, or no reader)."""
-    instructions = program.instructions
-    posted = next((i for i, ins in enumerate(instructions) if isinstance(ins, Recv) and ins.tag == tag), None)
-    if posted is None:
-        return None
-    key = program.key(instructions[posted].value, instructions[posted].microbatch)
-    # The runtime waits for a receive at the first instruction other than a receive reading it.
-    read = next((i for i in range(posted + 1, len(instructions))
-                 if not isinstance(instructions[i], Recv) and key in program.reads(instructions[i])), None)
-    if read is None:
-        return None
-    return next((ins.tag for ins in instructions[read:] if isinstance(ins, Send) and ins.peer == to), None)

@@ -57,8 +57,11 @@ def _release_completed(sends: collections.deque[Sending], memory: HeldBytes | No
 
 def _release_acknowledged(sends: collections.deque[Sending], tags: frozenset[int], memory: HeldBytes | None) -> None:
     """Let go of the sends tagged `tags`, which the peer has received (`RankProgram.acknowledged_by`):
-    their works are waited for, which returns at once, and their tensors no longer held."""
-    for send in [send for send in sends if send.tag in tags]:
+    their works are waited for, which returns at once, and their tensors no longer held.
+    Only a send with a work of its own (gloo's): one work for a whole batch (NCCL's group)
+    also waits for the batch's receives, which the peer may send only later; NCCL's works
+    report completion themselves (`_release_completed`)."""
+    for send in [send for send in sends if send.tag in tags and send.batch.per_message]:
         send.batch.wait(send.message)
         sends.remove(send)
         if memory is not None:
