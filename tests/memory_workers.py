@@ -1,6 +1,8 @@
 """Per-rank runs for the memory breakdown test (run inside `run_ranks`)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import piper_fx
@@ -47,3 +49,40 @@ def breakdown_worker(rank: int, world: int, cases: list[dict], steps: int = 3) -
                         "optimizer_state_bytes": storage_bytes(state)})
         torch._dynamo.reset()
     return results
+
+
+class LightOpsPipeline(torch.nn.Module):
+    """Two stages, each a layer norm, a linear layer up, a GELU and a linear layer down (a
+    pipeline stage each: `piper_fx.annotate("PP")`), then a squared error."""
+
+    def __init__(self, width: int = 16, hidden: int = 64):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, hidden), torch.nn.GELU(),
+                                torch.nn.Linear(hidden, width))
+            for _ in range(2))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            with piper_fx.annotate("PP"):
+                x = layer(x)
+        return ((x - y) ** 2).mean()
+
+
+def light_ops_pipeline_worker(rank: int, world: int, microbatches: int) -> dict:
+    """GPipe over `LightOpsPipeline`'s two stages, one step of 2 rows per microbatch: the
+    most bytes of per-microbatch values the rank held at once, and its parameters'
+    gradients' largest difference from eager PyTorch's on the same batch."""
+    options = {"mesh": {"pp": world}, "codegen": "eager",
+               "pipeline": {"schedule": "gpipe", "microbatches": microbatches}}
+    torch.manual_seed(0)
+    model = LightOpsPipeline()
+    eager = copy.deepcopy(model)
+    x, y = torch.randn(2 * microbatches, 16), torch.randn(2 * microbatches, 16)
+    piper_fx.prepare(model, options)
+    torch.compile(model, backend="piper", options=options)(x, y).backward()
+    held = piper_fx.last_step_stats()["peak_activation_bytes"]
+    eager(x, y).backward()
+    errors = [(p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), eager.parameters())
+              if p.grad is not None]
+    return {"held": held, "grad_error": max(errors)}

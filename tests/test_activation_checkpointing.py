@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 import piper_fx
 from examples.gpt import GPT, GPTConfig
 from ranks import run_ranks
+from memory_workers import light_ops_pipeline_worker
 from training import SMALL, global_batch, pipeline_worker
 
 MODES = ("none", "full", "selective")
@@ -199,3 +200,15 @@ def test_what_light_ops_make_from_values_the_backward_reads_anyway_is_recomputed
     for ours, theirs in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-6, atol=1e-7)
     assert kept == (8 * 64 + 8 * 16) * 4, kept
+
+
+def test_under_a_pipeline_too_what_light_ops_make_from_values_the_backward_reads_anyway_is_recomputed():
+    """GPipe's first stage holds every microbatch's kept values once its forwards are done:
+    the up projection's output (2 x 64 floats a microbatch) and the stage's output, sent to
+    the second stage (2 x 16) and held until the second stage's answer arrives; not the
+    layer norm's output and statistics nor the GELU's, which its backward makes again.
+    Gradients are eager PyTorch's."""
+    microbatches = 4
+    first, second = run_ranks(light_ops_pipeline_worker, 2, microbatches)
+    assert first["held"] == microbatches * 2 * (64 + 16) * 4, first
+    assert max(first["grad_error"], second["grad_error"]) < 1e-6, (first, second)
