@@ -11,8 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 import piper_fx
 from examples.gpt import GPT, GPTConfig
-from ranks import run_ranks
 from memory_workers import light_ops_pipeline_worker
+from ranks import run_ranks
 from training import SMALL, global_batch, pipeline_worker
 
 MODES = ("none", "full", "selective")
