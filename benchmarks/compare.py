@@ -21,9 +21,11 @@ of its program spent outside tasks and waits (`last_step_stats()["runtime_fracti
 that time per instruction, and the share with the step's own work around its program
 added, in the call and in `loss.backward()` (`overhead_fraction`), each the median
 over its timed steps (the largest rank's).
-Both sides step AdamW with its foreach implementation (`--foreach on`, as on
-GPUs by default; `off` is torch's CPU default, a loop over parameters, where
-each op on a DTensor parameter (piper_fx's, FSDP2's) pays DTensor's dispatch).
+Both sides step AdamW with the same implementation: `--adamw fused` by
+default, as torchtitan steps it (its `optimizer.implementation` defaults to
+"fused"); `foreach` (torch's default on GPUs) dispatches each of its dozen
+foreach ops through DTensor where parameters are DTensors (piper_fx's,
+FSDP2's), and `for-loop` (torch's CPU default) each op of each parameter.
 Pairs: ZeRO-0 vs DDP, ZeRO-3 vs FSDP2 `fully_shard`, ZeRO-2 vs FSDP2 with
 `reshard_after_forward=False`, and each pipeline schedule (gpipe, 1f1b,
 interleaved_1f1b, zbv, dualpipev) vs torch.distributed.pipelining's same
@@ -64,6 +66,13 @@ from piper_fx.runtime.memory import peak_allocated_bytes, storage_bytes  # noqa:
 CFG = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64)
 WARMUP = 3
 PEAK_STEPS = 3  # steps whose least peak allocation is a side's
+ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
+
+
+def adamw(params, implementation: str) -> torch.optim.AdamW:
+    """AdamW with one of `ADAMW_IMPLEMENTATIONS`, as torchtitan names them."""
+    kwargs = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+    return torch.optim.AdamW(params, lr=1e-3, **kwargs[implementation])
 
 
 def batch(step: int, rows: int):
@@ -108,8 +117,8 @@ class _Side:
     """One side of a pair on this rank: a model, its compiled step and its optimizer."""
 
     def __init__(self, make_step, cfg: GPTConfig, cache_dir: str, rank: int, world: int, per_rank: int, dp: int,
-                 foreach: bool):
-        self.make_step, self.cfg, self.cache_dir, self.foreach = make_step, cfg, cache_dir, foreach
+                 implementation: str):
+        self.make_step, self.cfg, self.cache_dir, self.implementation = make_step, cfg, cache_dir, implementation
         self.rank, self.world, self.per_rank, self.dp = rank, world, per_rank, dp
         self.times: list[float] = []
         self.loss = None
@@ -119,7 +128,7 @@ class _Side:
         model = GPT(self.cfg)
         step, params, self.kept_bytes = self.make_step(model)
         self.step, self.params = step, list(params)
-        self.opt = torch.optim.AdamW(self.params, lr=1e-3, foreach=self.foreach)
+        self.opt = adamw(self.params, self.implementation)
 
     def run(self, i: int) -> float:
         """Step `i` (the global batch's share of this rank), timed between barriers."""
@@ -138,7 +147,7 @@ class _Side:
 
 
 def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: int, world: int, per_rank: int,
-                 dp: int, foreach: bool) -> list[dict]:
+                 dp: int, implementation: str) -> list[dict]:
     """Every side of a pair on this rank, their timed steps alternating (in an order reversed
     every round), so drifts in the machine's load hit them alike. Per side: the median over
     `rounds` of each round's median step time and the rounds' spread, the last loss averaged
@@ -150,7 +159,7 @@ def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: 
     The global batch has `per_rank * world` rows; each of the `dp` data-parallel
     replicas (all ranks; 1 for a pipeline over all ranks) gets its share."""
     torch._dynamo.reset()
-    sides = [_Side(make, cfg, cache, rank, world, per_rank, dp, foreach) for make, cache in zip(makers, caches)]
+    sides = [_Side(make, cfg, cache, rank, world, per_rank, dp, implementation) for make, cache in zip(makers, caches)]
     results = [{} for _ in sides]
     for side, result in zip(sides, results):
         _reset_peak_rss()
@@ -350,7 +359,7 @@ def run(rank: int, world: int, init_file: str, args, results) -> None:
         kinds = list(native)
         caches = [os.path.join(args.cache_root, f"pair{index}_{side}") for side in ("piper", *kinds)]
         measured = measure_pair((ours, *native.values()), cfg, caches, args.steps, args.rounds, rank, world,
-                                args.per_rank_batch, dp, args.foreach == "on")
+                                args.per_rank_batch, dp, args.adamw)
         everyone: list = [None] * world
         dist.all_gather_object(everyone, measured)
         # Per side, the slowest rank's times and the largest rank's memory.
@@ -388,9 +397,9 @@ def main() -> None:
                         help="blocks of the data-parallel pairs' GPT (pipelines: one block per stage)")
     parser.add_argument("--n-embd", type=int, default=CFG.n_embd, help="every pair's GPT's width")
     parser.add_argument("--only", nargs="*", help="run only the pairs whose name contains one of these words")
-    parser.add_argument("--foreach", choices=["on", "off"], default="on",
-                        help="AdamW's foreach implementation on both sides (on: as on GPUs by default; off: "
-                             "torch's CPU default, a loop over parameters, which pays DTensor's dispatch per "
+    parser.add_argument("--adamw", choices=ADAMW_IMPLEMENTATIONS, default="fused",
+                        help="AdamW's implementation on both sides (fused: torchtitan's default; foreach: torch's "
+                             "default on GPUs; for-loop: its default on CPUs, which pays DTensor's dispatch per "
                              "parameter and op where parameters are DTensors)")
     args = parser.parse_args()
     args.cfg = dataclasses.replace(CFG, n_layer=args.n_layer, n_embd=args.n_embd)
@@ -408,7 +417,7 @@ def main() -> None:
     tokens = args.per_rank_batch * args.nproc * CFG.block_size
     print(f"{args.nproc} CPU ranks (gloo), GPT {args.n_layer}x{args.n_embd} (pipelines: one block per stage), "
           f"{tokens} tokens/step, {args.rounds} rounds of {args.steps} steps after {WARMUP} warm-up, piper_fx "
-          f"codegen {args.codegen}, AdamW foreach {args.foreach}; per pair the slowest rank's time and the largest rank's memory; native: the "
+          f"codegen {args.codegen}, AdamW {args.adamw}; per pair the slowest rank's time and the largest rank's memory; native: the "
           f"faster of compiled and eager; ms: median of the rounds' medians (spread of the rounds); "
           f"ratio = piper / native")
     header = (f"{'pair':<31} {'piper ms':>13} {'native ms':>13} {'native':>8} {'ratio':>5} {'piper tok/s':>11} "

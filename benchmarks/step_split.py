@@ -2,7 +2,7 @@
 
     python benchmarks/step_split.py [--nproc 2] [--steps 150] [--n-layer 2] [--n-embd 64] [--skip-guards]
 
-Builds both sides as `compare.py` does (the example GPT, AdamW with foreach) in
+Builds both sides as `compare.py` does (the example GPT, AdamW fused unless `--adamw` says otherwise) in
 the same ranks and alternates their steps one by one, then prints, per side,
 the median over the steps (after 5 warm-up steps) of each phase of rank 0's
 step: the model call, `loss.backward()`, `optimizer.step()`, `zero_grad()`
@@ -44,7 +44,7 @@ PHASES = ("call", "backward", "optimizer", "zero_grad", "total")
 
 
 def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_guards: bool, n_layer: int,
-        n_embd: int) -> None:
+        n_embd: int, adamw: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
@@ -55,7 +55,7 @@ def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_g
         torch.manual_seed(0)
         step, params, _ = make(compare.GPT(cfg))
         params = list(params)
-        sides[name] = (step, torch.optim.AdamW(params, lr=1e-3, foreach=True))
+        sides[name] = (step, compare.adamw(params, adamw))
     times = {name: {phase: [] for phase in (*PHASES, "program", "own")} for name in sides}
     for i in range(WARMUP + steps):
         x, y = compare.batch(i, per_rank * world)
@@ -84,7 +84,7 @@ def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_g
                 times[name]["own"].append(stats["step_call_s"])
     if rank == 0:
         print(f"{world} CPU ranks (gloo), GPT {cfg.n_layer}x{cfg.n_embd} ({len(params)} parameters), "
-              f"{per_rank} sequences per rank, rank 0's phases, median of {steps} alternating steps, ms"
+              f"{per_rank} sequences per rank, AdamW {adamw}, rank 0's phases, median of {steps} alternating steps, ms"
               + (", piper_fx's Dynamo guards skipped after warm-up" if skip_guards else ""))
         print(f"{'side':18s}" + "".join(f"{phase:>11s}" for phase in (*PHASES, "program", "own")))
         for name, phases in times.items():
@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--per-rank-batch", type=int, default=8)
     parser.add_argument("--n-layer", type=int, default=compare.CFG.n_layer)
     parser.add_argument("--n-embd", type=int, default=compare.CFG.n_embd)
+    parser.add_argument("--adamw", choices=compare.ADAMW_IMPLEMENTATIONS, default="fused")
     parser.add_argument("--skip-guards", action="store_true",
                         help="after the warm-up, call piper_fx's step under torch.compiler.set_stance("
                              "skip_guard_eval_unsafe=True): how much of its call is Dynamo's guards (DDP's "
@@ -107,7 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(run, args=(args.nproc, os.path.join(tmp, "rendezvous"), args.steps, args.per_rank_batch,
-                               args.skip_guards, args.n_layer, args.n_embd),
+                               args.skip_guards, args.n_layer, args.n_embd, args.adamw),
                  nprocs=args.nproc)
 
 
