@@ -21,10 +21,12 @@ from .compat import (FakeTensorMode, ShapeEnv, TracingContext, aot_descriptors a
 from .collectives.emit import INHERITED_META
 from .errors import PiperError
 from .ir import GraphInput, GraphOutput, InputRole, OutputRole, TrainingDAG
+from .ops import LAYER
 from .options import MixedPrecision, Strategy
 from .sharding.dtensor_params import is_replicated_parameter, program_tensor
 from .sharding.experts import EXPERT_ATTR, UNSHARD_EXPERTS
 from .sharding.row_shard import INFO_ATTR, UNSHARD, sharded_parameter_info
+from .sharding.units import layer_of
 
 _SOURCE_KEY = re.compile(r"\['([^']+)'\]")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
@@ -248,7 +250,8 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
 
     Requires: `gm` is a whole Dynamo graph (no graph break) whose first output is
     the scalar loss when training. Guarantees: a `TrainingDAG` whose joint graph
-    takes its placeholders in order and returns exactly `dag.outputs` as a flat tuple.
+    takes its placeholders in order and returns exactly `dag.outputs` as a flat tuple,
+    each node a unit's forward runs or differentiates marked with that unit (`ops.LAYER`).
     """
     dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     gm, traced_inputs, arg_indices = _specialize_to_microbatch(gm, example_inputs, strategy.microbatches)
@@ -265,6 +268,10 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
             stack, gm, tuple(traced_inputs), decompositions=decompositions_for(strategy), ignore_shape_env=True)
         joint = exported.graph_module
 
+    for node in joint.graph.nodes:
+        layer = layer_of(node, strategy.units)
+        if layer is not None:
+            node.meta[LAYER] = layer
     inputs = _describe_inputs(joint, traced_inputs, arg_indices, dynamo_placeholders)
     output_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
     outputs, kept = _describe_outputs(output_node, arg_indices, training)

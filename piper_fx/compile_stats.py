@@ -39,9 +39,12 @@ _CACHE_COUNTERS = {"fxgraph_cache_hit": "cache_hit", "fxgraph_cache_miss": "comp
 class CompileStats:
     """Seconds per phase of one compile, in order: `plan cache` (looking the plan up, and
     storing it), `capture`, `pass:<name>` per pass (with verification, when on), `dumps`
-    (writing them, when on), `codegen:<task>` per task; `plan`: where the plan came from
+    (writing them, when on), `codegen regions` (cutting tasks into regions),
+    `codegen:<task>` per task or region (`F0.r3`); `plan`: where the plan came from
     (`planned`; `planned, cached`; `cache hit`: `plan_cache`); `tasks`: how many tasks'
-    code came each way (`compiled`, `cache_hit`, `cache_bypass` under Inductor; `eager`)."""
+    (or regions') code came each way (`compiled`, `cache_hit`, `cache_bypass` under
+    Inductor, `repeated` for a region whose code another region of the program has;
+    `eager`)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     tasks: Counter = field(default_factory=Counter)

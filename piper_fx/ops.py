@@ -109,6 +109,10 @@ STEP_START, STEP_END = "step_start", "step_end"
 # The unit a ZeRO-3 all-gather serves (`sharding.units`: a layer such as `model.layers.3`, or
 # outside units the module reading the parameter); buckets never span two.
 UNIT = "piper_unit"
+# The unit (`sharding.units`) whose forward runs a node, or whose forward a backward node
+# differentiates, on every such node of the joint graph (`capture`); code generation compiles a
+# task as one region per unit it runs, each distinct region once (`codegen.regions`).
+LAYER = "piper_layer"
 # What a collective moves, in words, for the dumps (`all_gather blocks.0.attn.qkv.weight (forward)`).
 COMM_NOTE = "piper_comm"
 # The placement over dp a lowered placement change leaves its result in (`lower_redistributions`),

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ranks import run_ranks
-from training import inductor_worker
+from training import inductor_worker, regions_worker
 
 
 def test_inductor_codegen_matches_single_process_for_every_zero_level(tmp_path):
@@ -28,6 +28,24 @@ def test_inductor_codegen_matches_single_process_for_every_zero_level(tmp_path):
             reductions = code["B0"] + code.get("E0", "")
             assert ("all_gather_into_tensor" in gathers) == (zero > 0), zero
             assert "reduce_scatter_tensor" in reductions if zero >= 2 else "all_reduce" in reductions
+
+
+def test_the_layers_of_a_deep_model_compile_as_regions_each_distinct_one_once(tmp_path):
+    """A 6-layer GPT under ZeRO-3: each task is cut into one region per layer, the middle
+    layers' regions are the same code, compiled once per process, and the step trains
+    as single-process training does (gathers issued in one region and waited in the next)."""
+    results = run_ranks(regions_worker, 2, str(tmp_path), deadline_s=900)
+    for rank, run in enumerate(results):
+        assert max(run["loss_errors"]) < 1e-5, (rank, run["loss_errors"])
+        worst = max(run["param_errors"], key=run["param_errors"].get)
+        assert run["param_errors"][worst] < 1e-5, (rank, worst, run["param_errors"][worst])
+        # F: 6 regions, B: 7; the ranks split the distinct ones and load the peer's.
+        assert run["tasks"]["repeated"] >= 5, (rank, run["tasks"])
+        (graph_dir,) = (tmp_path / f"rank{rank}").iterdir()
+        for task in ("F0", "B0"):
+            code = (graph_dir / "codegen" / f"{task}.py").read_text()
+            assert code.count(f"# {task} region ") >= 6 and "same code as region" in code, (rank, task)
+            assert "cpp_fused" in code and "all_gather_into_tensor" in code, (rank, task)
 
 
 def test_dualpipev_compiles_its_whole_and_split_backwards_with_inductor(tmp_path):

@@ -244,6 +244,14 @@ def inductor_worker(rank: int, world: int, debug_root: str) -> dict:
     return results
 
 
+def regions_worker(rank: int, world: int, debug_root: str) -> dict:
+    """ZeRO-3 on a 6-layer GPT with Inductor, whose tasks compile as regions, against
+    single-process training; with how this rank obtained each region's code."""
+    options = {"zero": 3, "codegen": "inductor", "debug_dir": debug_root}
+    run = train_and_compare(rank, world, options, "sgd", steps=3, n_layer=6)
+    return {**run, "tasks": piper_fx.last_compile_stats()["tasks"]}
+
+
 def unsynchronized_init_worker(rank: int, world: int, zero: int, call_prepare: bool) -> dict:
     options = {"zero": zero, "codegen": "eager"}
     return train_and_compare(rank, world, options, "sgd", steps=2, same_init=False, call_prepare=call_prepare)

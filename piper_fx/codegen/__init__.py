@@ -3,7 +3,8 @@
 A compiled task takes a list of input tensors (which it may clear, so inputs
 die at their last use inside the task) and returns a sequence of outputs.
 `eager` runs the FX graph's Python code; `inductor` compiles it with
-`compile_fx_inner` (C++ on CPU, Triton on CUDA); collectives stay inside the
+`compile_fx_inner` (C++ on CPU, Triton on CUDA), whole or as the layers it runs
+(`regions`: each distinct layer's code once); collectives stay inside the
 compiled graphs as functional collectives. With `time_waits` (option
 `profile`), the waits of those collectives are timed as exposed communication
 (`runtime.timing`). Under Inductor, ranks that would compile the same task
@@ -18,7 +19,7 @@ import torch
 from ..compile_stats import CompileStats
 from ..debug import DebugDump
 from ..ir import RankProgram, Task
-from . import eager, inductor, shared
+from . import eager, inductor, regions, shared
 
 CompiledTask = Callable[[list], Sequence[torch.Tensor]]
 
@@ -32,30 +33,72 @@ def warm_up(codegen: str, device: torch.device | None) -> inductor.WarmUp | None
 def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: CompileStats,
                     time_waits: bool = False, warmed: inductor.WarmUp | None = None) -> dict[str, CompiledTask]:
     """Each task of `program`, compiled; its time and how its code was obtained go into `stats`.
-    Under Inductor, collective: every rank compiles its program at once (`shared`); `warmed`:
-    the `warm_up` started for it, if any."""
-    compiled: dict[str, CompiledTask] = {}
+    Under Inductor, collective: every rank compiles its program at once (`shared`), each task
+    whole or as its regions (`regions`), each distinct code once; `warmed`: the `warm_up`
+    started for it, if any."""
     tasks = list(program.tasks.values())
-    compile_task = inductor.compile_task if codegen == "inductor" else eager.compile_task
-
-    def compile_one(task: Task) -> None:
-        with stats.task(task.name, codegen):
-            compiled[task.name], source = compile_task(task, time_waits)
-        dump.write(f"codegen/{task.name}.py", source)
-
     if codegen != "inductor":
+        compiled: dict[str, CompiledTask] = {}
         for task in tasks:
-            compile_one(task)
+            with stats.task(task.name, codegen):
+                compiled[task.name], source = eager.compile_task(task, time_waits)
+            dump.write(f"codegen/{task.name}.py", source)
         return compiled
     if warmed is not None:
         with stats.phase("codegen warm-up"):  # what of it planning did not hide
             warmed.wait()
-    for task in tasks:
-        inductor.name_by_position(task.graph)
+    # What Inductor compiles: each task whole, or each of its regions.
+    units: list[Task] = []
+    cut: dict[str, regions.Regions] = {}
+    with stats.phase("codegen regions"):
+        for task in tasks:
+            inductor.name_by_position(task.graph)
+            task_regions = regions.cut(task.graph)
+            if task_regions is None:
+                units.append(task)
+                continue
+            cut[task.name] = task_regions
+            units += [Task(f"{task.name}.r{index}", task.kind, task.stage, region.graph, [], [])
+                      for index, region in enumerate(task_regions.regions)]
+    code: dict[str, tuple[CompiledTask, str]] = {}  # by `shared.code_key`: (code, source), shared by repeats
+    key_of: dict[str, str] = {}
+
+    def compile_one(unit: Task) -> None:
+        key = key_of[unit.name] = shared.code_key(unit.graph)
+        if key in code:
+            stats.tasks["repeated"] += 1
+            return
+        whole = unit.name in program.tasks  # a region's waits are timed around its task's runner
+        with stats.task(unit.name, codegen):
+            code[key] = inductor.compile_task(unit, time_waits and whole)
+
     with stats.phase("codegen exchange"):
-        shares = shared.share(tasks)
+        shares = shared.share(units)
     shared.compile_shares(shares, compile_one, lambda: stats.phase("codegen wait for peers"))
+    compiled = {}
+    for task in tasks:
+        if task.name not in cut:
+            compiled[task.name], source = code[key_of[task.name]]
+            dump.write(f"codegen/{task.name}.py", source)
+            continue
+        names = [f"{task.name}.r{index}" for index in range(len(cut[task.name].regions))]
+        runner = cut[task.name].runner([code[key_of[name]][0] for name in names])
+        compiled[task.name] = inductor.timing_waits(runner) if time_waits and inductor.has_waits(task) else runner
+        if dump.enabled:
+            dump.write(f"codegen/{task.name}.py", _regions_source(task.name, [key_of[n] for n in names], code))
     return compiled
+
+
+def _regions_source(task: str, keys: list[str], code: dict[str, tuple[CompiledTask, str]]) -> str:
+    """The dump of a task compiled as regions: each region's code, once; a repeat names the first."""
+    parts, first = [], {}
+    for index, key in enumerate(keys):
+        if key in first:
+            parts.append(f"# {task} region {index}: same code as region {first[key]}\n")
+        else:
+            first[key] = index
+            parts.append(f"# {task} region {index}\n{code[key][1]}\n")
+    return "".join(parts)
 
 
 __all__ = ["compile_program", "CompiledTask", "Task", "warm_up"]

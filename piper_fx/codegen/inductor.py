@@ -138,12 +138,17 @@ def compile_task(task: Task, time_waits: bool = False):
     with tracing(TracingContext(fake_mode)), inductor_config.patch(reorder_for_peak_memory=not has_collectives):
         compiled = compile_fx_inner(task.graph, example_inputs)
     source = getattr(compiled, "source_code", None) or task.graph.code
-    if time_waits and task.graph.graph.find_nodes(op="call_function", target=WAIT):
-        return _timing_waits(compiled), source
+    if time_waits and has_waits(task):
+        return timing_waits(compiled), source
     return compiled, source
 
 
-def _timing_waits(compiled):
+def has_waits(task: Task) -> bool:
+    """Whether `task` waits for a collective."""
+    return bool(task.graph.graph.find_nodes(op="call_function", target=WAIT))
+
+
+def timing_waits(compiled):
     """`compiled`, run under a dispatch mode that times its collective waits. The
     mode sees every op the compiled code dispatches (extern kernels), which
     costs a Python call each: hence opt-in (option `profile`)."""

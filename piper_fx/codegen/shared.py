@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 
 from ..compat import inductor_cache_dir, inductor_config
 from ..errors import PiperError
@@ -45,11 +46,12 @@ class Shares:
     exchanged: bool  # whether the ranks exchanged their tasks (and so must wait for each other)
 
 
-def task_key(task: Task) -> str:
-    """What Inductor's FX graph cache keys a task by, as far as ranks can differ in it: its
-    code (values named by position, `inductor.name_by_position`) and its inputs' layouts."""
-    digest = hashlib.sha256(task.graph.code.encode())
-    for node in task.graph.graph.find_nodes(op="placeholder"):
+def code_key(gm: fx.GraphModule) -> str:
+    """What Inductor's FX graph cache keys a task's (or a region's) graph by, as far as ranks
+    and tasks can differ in it: its code (values named by position,
+    `inductor.name_by_position`) and its inputs' layouts."""
+    digest = hashlib.sha256(gm.code.encode())
+    for node in gm.graph.find_nodes(op="placeholder"):
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             digest.update(repr((tuple(val.shape), val.stride(), val.dtype, val.device)).encode())
@@ -97,7 +99,7 @@ def share(tasks: Sequence[Task]) -> Shares:
     group) and split them into this rank's share and the rest."""
     if not _exchanging():
         return Shares(list(tasks), [], exchanged=False)
-    keys = [task_key(task) for task in tasks]
+    keys = [code_key(task.graph) for task in tasks]
     cache = _cache()
     mine = (cache, [(key, len(task.graph.graph.nodes)) for key, task in zip(keys, tasks)])
     everyone: list = [None] * dist.get_world_size()

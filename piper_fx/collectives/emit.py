@@ -16,12 +16,12 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..ops import CONVERT
+from ..ops import CONVERT, LAYER
 
 # Metadata copied from the node a splice replaces, so regions and annotations survive (the
 # model's `torch.utils.checkpoint` tags, `recompute` and `ac_graph_id`, among them).
 INHERITED_META = ("custom", "nn_module_stack", "seq_nr", "partitioner_tag", "stack_trace", "recompute",
-                  "ac_graph_id")
+                  "ac_graph_id", LAYER)
 
 
 # Lowerings traced for each graph they are spliced into, kept as long as that

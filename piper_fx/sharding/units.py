@@ -153,6 +153,14 @@ def unit_of(node: fx.Node, patterns: tuple[str, ...] | None) -> str | None:
     return next((name for name, cls in _module_path(node) if is_unit(name, cls)), None)
 
 
+def layer_of(node: fx.Node, patterns: tuple[str, ...] | None) -> str | None:
+    """The unit whose forward runs `node`, or whose forward the backward node `node`
+    differentiates (AOTAutograd's `fwd_nn_module_stack`), or None outside units."""
+    is_unit = _unit_test(patterns)
+    key = "nn_module_stack" if node.meta.get("nn_module_stack") else "fwd_nn_module_stack"
+    return next((name for name, cls in _module_path(node, key) if is_unit(name, cls)), None)
+
+
 def _unit_test(patterns: tuple[str, ...] | None) -> Callable[[str, str], bool]:
     """Whether a module (name, class name) is a unit: by default a child of a module list, else one
     that a pattern of the option `units` names."""
@@ -168,11 +176,12 @@ def _names(pattern: str, name: str, cls: str) -> bool:
     return cls == pattern or fnmatch.fnmatchcase(name, pattern)
 
 
-def _module_path(node: fx.Node) -> list[tuple[str, str]]:
-    """(name, class name) of each module whose forward runs `node`, outermost first, the model
-    itself and the modules of a parametrization left out."""
+def _module_path(node: fx.Node, key: str = "nn_module_stack") -> list[tuple[str, str]]:
+    """(name, class name) of each module whose forward runs `node` (on its `key`: the
+    `nn_module_stack`), outermost first, the model itself and the modules of a
+    parametrization left out."""
     path = []
-    for source, cls in (node.meta.get("nn_module_stack") or {}).values():
+    for source, cls in (node.meta.get(key) or {}).values():
         cls = cls.__name__ if isinstance(cls, type) else str(cls).rpartition(".")[2]
         if cls == "ParametrizationList":  # what follows turns a stored tensor into the parameter
             break
