@@ -43,8 +43,8 @@ class CompileStats:
     `codegen:<task>` per task or region (`F0.r3`); `plan`: where the plan came from
     (`planned`; `planned, cached`; `cache hit`: `plan_cache`); `tasks`: how many tasks'
     (or regions') code came each way (`compiled`, `cache_hit`, `cache_bypass` under
-    Inductor, `repeated` for a region whose code another region of the program has;
-    `eager`)."""
+    Inductor, `repeated` for a task or region whose code another of the program has,
+    compiled once; `eager`)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     tasks: Counter = field(default_factory=Counter)

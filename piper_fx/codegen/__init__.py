@@ -68,24 +68,24 @@ def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: 
         if key in code:
             stats.tasks["repeated"] += 1
             return
-        whole = unit.name in program.tasks  # a region's waits are timed around its task's runner
         with stats.task(unit.name, codegen):
-            code[key] = inductor.compile_task(unit, time_waits and whole)
+            code[key] = inductor.compile_task(unit)
 
     with stats.phase("codegen exchange"):
         shares = shared.share(units)
     shared.compile_shares(shares, compile_one, lambda: stats.phase("codegen wait for peers"))
     compiled = {}
     for task in tasks:
-        if task.name not in cut:
-            compiled[task.name], source = code[key_of[task.name]]
+        if task.name in cut:
+            names = [f"{task.name}.r{index}" for index in range(len(cut[task.name].regions))]
+            run = cut[task.name].runner([code[key_of[name]][0] for name in names])
+            if dump.enabled:
+                dump.write(f"codegen/{task.name}.py", _regions_source(task.name, [key_of[n] for n in names], code))
+        else:
+            run, source = code[key_of[task.name]]
             dump.write(f"codegen/{task.name}.py", source)
-            continue
-        names = [f"{task.name}.r{index}" for index in range(len(cut[task.name].regions))]
-        runner = cut[task.name].runner([code[key_of[name]][0] for name in names])
-        compiled[task.name] = inductor.timing_waits(runner) if time_waits and inductor.has_waits(task) else runner
-        if dump.enabled:
-            dump.write(f"codegen/{task.name}.py", _regions_source(task.name, [key_of[n] for n in names], code))
+        # The same code may serve tasks with and without timing: timed around the task.
+        compiled[task.name] = inductor.timing_waits(run) if time_waits and inductor.has_waits(task) else run
     return compiled
 
 
