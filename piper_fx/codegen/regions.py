@@ -37,7 +37,9 @@ from .shared import code_key
 @dataclass(frozen=True)
 class Region:
     """A span of a task's nodes as a graph of its own: it reads the slots `inputs` and writes
-    its outputs into the slots `outputs`; after it ran, the slots `last_read` are dropped."""
+    its outputs into the slots `outputs`. The slots `last_read` (read by no later region) are
+    emptied before it runs, so its boxed code frees them at their last use inside it. `key`:
+    its `shared.code_key`, the same for regions that run the same code."""
 
     graph: fx.GraphModule
     inputs: tuple[int, ...]
