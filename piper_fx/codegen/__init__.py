@@ -49,6 +49,7 @@ def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: 
             warmed.wait()
     # What Inductor compiles: each task whole, or each of its regions.
     units: list[Task] = []
+    key_of: dict[str, str] = {}  # each unit's `shared.code_key`, by its name
     cut: dict[str, regions.Regions] = {}
     with stats.phase("codegen regions"):
         for task in tasks:
@@ -56,15 +57,16 @@ def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: 
             task_regions = regions.cut(task.graph)
             if task_regions is None:
                 units.append(task)
+                key_of[task.name] = shared.code_key(task.graph)
                 continue
             cut[task.name] = task_regions
-            units += [Task(f"{task.name}.r{index}", task.kind, task.stage, region.graph, [], [])
-                      for index, region in enumerate(task_regions.regions)]
-    code: dict[str, tuple[CompiledTask, str]] = {}  # by `shared.code_key`: (code, source), shared by repeats
-    key_of: dict[str, str] = {}
+            for index, region in enumerate(task_regions.regions):
+                units.append(Task(f"{task.name}.r{index}", task.kind, task.stage, region.graph, [], []))
+                key_of[units[-1].name] = region.key
+    code: dict[str, tuple[CompiledTask, str]] = {}  # by code key: (code, source), shared by repeats
 
     def compile_one(unit: Task) -> None:
-        key = key_of[unit.name] = shared.code_key(unit.graph)
+        key = key_of[unit.name]
         if key in code:
             stats.tasks["repeated"] += 1
             return
@@ -72,7 +74,7 @@ def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: 
             code[key] = inductor.compile_task(unit)
 
     with stats.phase("codegen exchange"):
-        shares = shared.share(units)
+        shares = shared.share(units, [key_of[unit.name] for unit in units])
     shared.compile_shares(shares, compile_one, lambda: stats.phase("codegen wait for peers"))
     compiled = {}
     for task in tasks:

@@ -94,12 +94,11 @@ def assign(everyone: Sequence[tuple[str | None, Sequence[tuple[str, int]]]]) -> 
     return owner
 
 
-def share(tasks: Sequence[Task]) -> Shares:
-    """Exchange the tasks about to be compiled with every rank (collective, under a process
-    group) and split them into this rank's share and the rest."""
+def share(tasks: Sequence[Task], keys: Sequence[str]) -> Shares:
+    """Exchange the tasks about to be compiled, with their `code_key`s, with every rank
+    (collective, under a process group) and split them into this rank's share and the rest."""
     if not _exchanging():
         return Shares(list(tasks), [], exchanged=False)
-    keys = [code_key(task.graph) for task in tasks]
     cache = _cache()
     mine = (cache, [(key, len(task.graph.graph.nodes)) for key, task in zip(keys, tasks)])
     everyone: list = [None] * dist.get_world_size()
@@ -109,7 +108,7 @@ def share(tasks: Sequence[Task]) -> Shares:
     first, then, seen = [], [], set()
     for key, task in zip(keys, tasks):
         # Ours to compile, or no one's (no shared cache): the first of its kind now; any
-        # repeat of it on this rank after, loaded from the cache as the peers' are.
+        # repeat of it on this rank after, with the peers' (its code reused in the process).
         ours = cache is None or owner[(cache, key)] == rank
         (first if ours and key not in seen else then).append(task)
         seen.add(key)

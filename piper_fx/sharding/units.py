@@ -146,19 +146,18 @@ def find_units(dag: TrainingDAG) -> Units:
     return Units(tuple(reads), found_by)
 
 
-def unit_of(node: fx.Node, patterns: tuple[str, ...] | None) -> str | None:
-    """The unit whose forward runs `node` (the outermost module on its `nn_module_stack`
-    that is a unit, found as `find_units` finds them), or None outside units."""
+def unit_of(node: fx.Node, patterns: tuple[str, ...] | None, stack: str = "nn_module_stack") -> str | None:
+    """The unit whose forward runs `node` (the outermost module on its `stack`, by default
+    its `nn_module_stack`, that is a unit, found as `find_units` finds them), or None
+    outside units."""
     is_unit = _unit_test(patterns)
-    return next((name for name, cls in _module_path(node) if is_unit(name, cls)), None)
+    return next((name for name, cls in _module_path(node, stack) if is_unit(name, cls)), None)
 
 
 def layer_of(node: fx.Node, patterns: tuple[str, ...] | None) -> str | None:
     """The unit whose forward runs `node`, or whose forward the backward node `node`
     differentiates (AOTAutograd's `fwd_nn_module_stack`), or None outside units."""
-    is_unit = _unit_test(patterns)
-    key = "nn_module_stack" if node.meta.get("nn_module_stack") else "fwd_nn_module_stack"
-    return next((name for name, cls in _module_path(node, key) if is_unit(name, cls)), None)
+    return unit_of(node, patterns, "nn_module_stack" if node.meta.get("nn_module_stack") else "fwd_nn_module_stack")
 
 
 def _unit_test(patterns: tuple[str, ...] | None) -> Callable[[str, str], bool]:
