@@ -61,6 +61,17 @@ from torch._inductor.compile_fx import compile_fx_inner  # noqa: F401
 from torch._inductor.cpu_vec_isa import supported_vec_isa_list, valid_vec_isa_list, x86_isa_checker  # noqa: F401
 from torch._inductor.decomposition import select_decomp_table  # noqa: F401
 from torch._inductor.fx_passes import bucketing  # noqa: F401
+# What Inductor's `bucketing.process_collective_bucket` does around its trace, which
+# `passes.bucket_collectives` runs itself to trace each bucket layout once: make_fx of a
+# bucket's function in its values' fake mode, the fake mode of a list of values, whether a
+# gather's input is a cast the bucket takes over, the metadata repair of the bucket's users
+# and the sort of its region (the last two from torch 2.13: where Inductor lacks them, there
+# is nothing to repair, and the pass's closing stable sort orders the graph).
+from torch._guards import detect_fake_mode  # noqa: F401
+trace_bucket = bucketing._trace
+takes_cast = bucketing.has_mergeable_all_gather_convert_dtype
+repair_users = getattr(bucketing, "_recompute_changed_user_metadata", lambda users: None)
+sort_bucket_region = getattr(bucketing, "_sort_bucket_region", lambda graph, new_nodes, inputs: None)
 from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: F401
 # DTensor's sharding propagation on one op (placements of an FX node from its inputs').
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401

@@ -109,17 +109,20 @@ def test_bucket_size_sets_the_number_of_collectives(tmp_path, world):
     assert counts[25]["F0"]["all_gather_into_tensor"] == 6
 
 
-def _reduction_bucket_bytes(kind: str, numels: list[int], bucket_mb: float, small_first: bool) -> list[int]:
+def _reduction_bucket_bytes(kind: str, numels: list[int], bucket_mb: float, small_first: bool,
+                            trace_stats: bool = False):
     """The bytes each `kind` collective counts against its bucket's cap (its input's, the
     larger side), in issue order, after bucketing one reduction per gradient of `numels`
-    floats, issued in order. Runs on a fake process group of 2, made once per process."""
+    floats, issued in order; with `trace_stats`, how many buckets and traces the pass made and
+    whether each bucket has values of its own. Runs on a fake process group of 2, made once
+    per process."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from piper_fx.compat import tracing
-    from piper_fx.passes.bucket_collectives import _bucket_reductions
+    from piper_fx.passes.bucket_collectives import _bucket_reductions, _Traces
 
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -135,9 +138,15 @@ def _reduction_bucket_bytes(kind: str, numels: list[int], bucket_mb: float, smal
     with FakeTensorMode():
         grads = [torch.randn(2, numel // 2) for numel in numels]
     gm = make_fx(backward)(*grads)
+    traces = _Traces()
     with tracing(None):
-        _bucket_reductions(gm, bucket_mb, small_first)
-    return [n.all_input_nodes[0].meta["val"].numel() * 4 for n in gm.graph.nodes if n.target is op]
+        _bucket_reductions(gm, bucket_mb, small_first, traces)
+    buckets = [n for n in gm.graph.nodes if n.target is op]
+    if trace_stats:
+        # Each bucket's values are its own: no storage of one bucket's collective is another's.
+        storages = {n.meta["val"].untyped_storage()._cdata for n in buckets}
+        return {"buckets": len(buckets), "traces": len(traces), "own_storages": len(storages) == len(buckets)}
+    return [n.all_input_nodes[0].meta["val"].numel() * 4 for n in buckets]
 
 
 def _ddp_buckets(nbytes: list[int], bucket_mb: float, small_first: bool) -> list[int]:
@@ -169,6 +178,17 @@ def test_gradient_buckets_are_ddps_a_small_first_one_then_bucket_mb():
     assert sizes[0.5] == [512 * kib] * 6, sizes
     # An epilogue's reductions (once per step, after the last backward) have nothing to hide behind.
     assert epilogue == [3072 * kib], epilogue
+
+
+def test_buckets_of_one_layout_share_one_trace_each_with_values_of_its_own():
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        stats = {kind: pool.apply(_reduction_bucket_bytes, (kind, [65536] * 12, 0.5, True, True))
+                 for kind in ("all_reduce", "reduce_scatter")}
+    # Six buckets of two 256 KiB gradients each (the first one too: 0.5 MiB is below DDP's
+    # 1 MiB): one layout, traced once, each bucket's values computed from its own inputs.
+    for kind, got in stats.items():
+        assert got == {"buckets": 6, "traces": 1, "own_storages": True}, (kind, got)
 
 
 @st.composite

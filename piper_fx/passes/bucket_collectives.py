@@ -4,8 +4,12 @@ Requires: `dag.tasks` (each task's graph holds its collectives as functional
 collectives with `val` metadata).
 Guarantees: in every task graph, runs of collectives of the same kind, process
 group and dtype are merged greedily, in issue order, into buckets of at most
-`bucket_mb` megabytes (Inductor's `fx_passes/bucketing` does the merge: one
-flat buffer, one collective, then views per tensor). Only collectives adjacent
+`bucket_mb` megabytes (Inductor's `fx_passes/bucketing` groups them, and its
+merge functions make each bucket: one flat buffer, one collective, then views
+per tensor). Each bucket layout (function, and its inputs' shapes, strides and
+dtypes) is traced once per run of the pass, and each bucket gets the trace's
+nodes with values computed from its own inputs: a deep model's layers have the
+same buckets. Only collectives adjacent
 in issue order merge, and every rank of a group runs the same task graph, so
 every rank issues the same buckets in the same order. Our policy on top: a
 ZeRO-3 parameter all-gather bucket never spans two layers (`piper_unit`), so a
@@ -23,17 +27,20 @@ the same task code, compiled once for all of them (`codegen.shared`).
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..compat import bucketing, stable_topological_sort, tracing
+from ..compat import (bucketing, detect_fake_mode, repair_users, sort_bucket_region, stable_topological_sort,
+                      takes_cast, trace_bucket, tracing)
 from ..ir import BACKWARD_KINDS, TrainingDAG
 from ..ops import ALL_GATHER, LEGACY_WAIT, UNIT, WAIT
 from ..options import Strategy
 
 
-def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float) -> None:
+def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float, traces: _Traces) -> None:
     def key(node: fx.Node):
         return (bucketing._ag_group_key(node), node.meta.get(UNIT))
 
@@ -45,7 +52,7 @@ def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float) -> None:
 
         def trace_args(inputs: list[fx.Node], group_size=group_size, group_name=group_name, dtype=dtype) -> tuple:
             return [node.meta["val"] for node in inputs], group_name, group_size, dtype
-        bucketing.process_collective_bucket(gm.graph, bucket, _gather_from_flat_copy, trace_args)
+        _merge(gm.graph, bucket, _gather_from_flat_copy, trace_args, traces)
 
 
 def _nbytes(collective: fx.Node) -> int:
@@ -74,22 +81,114 @@ def _first_buckets(gm: fx.GraphModule, is_kind, group_key, first_mb: float) -> s
     return first
 
 
-def _bucket_reductions(gm: fx.GraphModule, bucket_mb: float, small_first: bool) -> None:
+def _bucket_reductions(gm: fx.GraphModule, bucket_mb: float, small_first: bool, traces: _Traces) -> None:
     """Merge the gradient reductions (reduce-scatters, all-reduces) greedily, in issue
     order, into buckets of at most `bucket_mb`, but, with `small_first`, the first of each
-    run, which takes at most 1 MiB (`_first_buckets`): Inductor's grouping and merge, with
-    DDP's policy."""
+    run, which takes at most 1 MiB (`_first_buckets`): Inductor's grouping and merge
+    functions, with DDP's policy."""
     first_mb = min(bucket_mb, dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20) if small_first else bucket_mb
     kinds = ((bucketing.is_reduce_scatter_tensor, bucketing._rs_group_key, bucketing.bucket_reduce_scatter_by_mb,
-              lambda buckets: bucketing.merge_reduce_scatter(gm, buckets, "default")),
+              bucketing.reduce_scatter_merge_fn_to_trace, _reduce_scatter_args),
              (bucketing.is_all_reduce_tensor, bucketing._ar_group_key, bucketing.bucket_all_reduce_by_mb,
-              lambda buckets: [bucketing.merge_all_reduce_bucket(gm.graph, b, "default") for b in buckets]))
-    for is_kind, group_key, group, merge in kinds:
+              bucketing.all_reduce_merge_fn_to_trace, _all_reduce_args))
+    for is_kind, group_key, group, merge_fn, trace_args in kinds:
         first = _first_buckets(gm, is_kind, group_key, first_mb)
         buckets = group(gm, lambda _: first_mb, lambda wait: wait.args[0] in first) \
             + group(gm, lambda _: bucket_mb, lambda wait: is_kind(wait.args[0]) and wait.args[0] not in first)
-        if buckets:
-            merge(buckets)
+        for bucket in buckets:
+            _merge(gm.graph, bucket, merge_fn, lambda inputs, first=bucket[0], args=trace_args: args(first, inputs),
+                   traces)
+
+
+def _reduce_scatter_args(first: fx.Node, inputs: list[fx.Node]) -> tuple:
+    """The arguments of Inductor's reduce-scatter merge function for a bucket led by `first`
+    (as its `merge_reduce_scatter_bucket` makes them)."""
+    _, reduce_op, group_size, group_name = first.args
+    val = first.meta["val"]
+    return [n.meta["val"] for n in inputs], group_name, group_size, reduce_op, val.dtype, val.device
+
+
+def _all_reduce_args(first: fx.Node, inputs: list[fx.Node]) -> tuple:
+    """The arguments of Inductor's all-reduce merge function (as `merge_all_reduce_bucket` makes them)."""
+    _, reduce_op, group_name = first.args
+    val = first.meta["val"]
+    return [n.meta["val"] for n in inputs], group_name, reduce_op, val.dtype, val.device
+
+
+class _Traces:
+    """The bucket functions traced in one run of the pass (make_fx, about 40 ms a bucket), by
+    what a trace depends on: the function and its arguments (tensors by layout). The layers
+    of a deep model have buckets of one layout: each is traced once, not once per layer."""
+
+    def __init__(self):
+        self._graphs: dict[tuple, fx.GraphModule] = {}
+
+    def get(self, fn: Callable, args: tuple) -> fx.GraphModule:
+        key = (fn, tuple(_layout(a) for a in args))
+        if key not in self._graphs:
+            self._graphs[key] = trace_bucket(fn, args)
+        return self._graphs[key]
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+
+def _layout(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return "T", tuple(arg.shape), arg.stride(), arg.storage_offset(), arg.dtype, arg.device
+    if isinstance(arg, (list, tuple)):
+        return type(arg).__name__, tuple(_layout(a) for a in arg)
+    return arg
+
+
+_BUCKET_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "custom")
+
+
+def _merge(graph: fx.Graph, bucket: list[fx.Node], fn: Callable, trace_args: Callable, traces: _Traces) -> None:
+    """Replace the collectives `bucket` (each with its one wait) by `fn`'s trace (`traces`) on
+    their inputs, right after the last of them: Inductor's `process_collective_bucket`, but
+    the bucket's values computed from its inputs' (a trace serves every bucket of its
+    layout), and the new nodes given the first collective's annotations (Inductor's also
+    records every new node's provenance from every collective, quadratic in the bucket's
+    size: 0.6 s per rank of a GPT of 12 blocks under ZeRO-3)."""
+    inputs, waits, casts = [], [], []
+    for collective in bucket:
+        (wait,) = collective.users
+        source = collective.args[0]
+        if takes_cast(collective):  # the bucket casts itself
+            casts.append(source)
+            source = source.args[0]
+        inputs.append(source)
+        waits.append(wait)
+    traced = traces.get(fn, trace_args(inputs))
+    placeholders = traced.graph.find_nodes(op="placeholder")
+    env = dict(zip(placeholders, inputs))
+    fake_mode = detect_fake_mode([n.meta["val"] for n in inputs])
+    new_nodes: list[fx.Node] = []
+    outputs: list[fx.Node] = []
+    meta = {key: bucket[0].meta[key] for key in _BUCKET_META if key in bucket[0].meta}
+    with graph.inserting_before(bucket[-1].next), fake_mode:
+        for node in traced.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                outputs = [env[n] for n in node.args[0]]
+                continue
+            copy = graph.node_copy(node, env.__getitem__)
+            args, kwargs = fx.map_arg((copy.args, copy.kwargs), lambda n: n.meta["val"])
+            copy.meta = {**meta, "val": copy.target(*args, **kwargs)}
+            env[node] = copy
+            new_nodes.append(copy)
+    users = [user for wait in waits for user in wait.users]
+    for wait, output in zip(waits, outputs):
+        wait.replace_all_uses_with(output)
+    repair_users(users)
+    for collective, wait in zip(bucket, waits):
+        graph.erase_node(wait)
+        graph.erase_node(collective)
+    for cast in reversed(casts):
+        graph.erase_node(cast)
+    sort_bucket_region(graph, new_nodes, inputs)
 
 
 def _gather_from_flat_copy(inputs: list, group_name: str, group_size: int, dtype: torch.dtype) -> list:
@@ -119,11 +218,12 @@ def bucket_collectives(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
         return dag
     # Outside Dynamo's tracing context: the merge traces in the fake mode of the
     # graph's own values (our capture's), which it finds only when no context names another.
+    traces = _Traces()
     with tracing(None):
         for task in dag.tasks:
             gm = task.graph
-            _bucket_all_gathers(gm, strategy.bucket_mb)
-            _bucket_reductions(gm, strategy.bucket_mb, small_first=task.kind in BACKWARD_KINDS)
+            _bucket_all_gathers(gm, strategy.bucket_mb, traces)
+            _bucket_reductions(gm, strategy.bucket_mb, small_first=task.kind in BACKWARD_KINDS, traces=traces)
             _wait_with_functional_collectives(gm)
             stable_topological_sort(gm.graph)  # keeps each collective where it was, where valid
             gm.graph.lint()
