@@ -64,13 +64,11 @@ from torch._inductor.fx_passes import bucketing  # noqa: F401
 # What Inductor's `bucketing.process_collective_bucket` does around its trace, which
 # `passes.bucket_collectives` runs itself to trace each bucket layout once: make_fx of a
 # bucket's function in its values' fake mode, the fake mode of a list of values, whether a
-# gather's input is a cast the bucket takes over, the metadata repair of the bucket's users
-# and the sort of its region (the last two from torch 2.13: where Inductor lacks them, there
-# is nothing to repair, and the pass's closing stable sort orders the graph).
+# gather's input is a cast the bucket takes over, and the sort of the bucket's region (from
+# torch 2.13; where Inductor lacks it, the pass's closing stable sort orders the graph).
 from torch._guards import detect_fake_mode  # noqa: F401
 trace_bucket = bucketing._trace
 takes_cast = bucketing.has_mergeable_all_gather_convert_dtype
-repair_users = getattr(bucketing, "_recompute_changed_user_metadata", lambda users: None)
 sort_bucket_region = getattr(bucketing, "_sort_bucket_region", lambda graph, new_nodes, inputs: None)
 from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: F401
 # DTensor's sharding propagation on one op (placements of an FX node from its inputs').
@@ -82,7 +80,7 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state  # noqa: F
 # Dispatch modes (memory and wait timing around tasks) and pytree leaves: stable in practice,
 # public in name only under torch.utils._python_dispatch / _pytree.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
-from torch.utils._pytree import tree_leaves  # noqa: F401
+from torch.utils._pytree import tree_leaves, tree_map_only  # noqa: F401
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:

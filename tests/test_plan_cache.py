@@ -10,6 +10,7 @@ from torch import nn
 
 import piper_fx
 from piper_fx.options import parse_options
+from piper_fx.compat import tree_leaves
 from piper_fx.plan_cache import plan_key
 
 GROUPS = (None, None, None, None)
@@ -159,3 +160,32 @@ def test_a_plan_with_a_fake_view_is_pickled_whole_by_fx():
     loaded = _round_trip({"base": base, "view": view}, plain=False)
     assert _layout(loaded["view"]) == _layout(view) and loaded["view"]._is_view()
     assert loaded["view"]._base.untyped_storage()._cdata == loaded["view"].untyped_storage()._cdata
+
+
+def _values_not_plain(options: dict, world: int) -> list[str]:
+    """The values of every rank's program for `options` (the example GPT, planned on a fake
+    process group of `world`) that the plan cache cannot pickle by layout."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from training import plan_all_ranks
+
+    from piper_fx.compat import _plain_fake
+    programs, _ = plan_all_ranks({**options, "codegen": "eager"}, world=world, n_layer=2, batch_rows=8)
+    return [f"rank {rank} {name} {node.name}" for rank, program in programs.items()
+            for name, task in program.tasks.items() for node in task.graph.graph.nodes
+            for value in tree_leaves(node.meta.get("val")) if isinstance(value, torch.Tensor) and not _plain_fake(value)]
+
+
+def test_every_value_of_a_planned_program_is_pickled_by_its_layout():
+    """One value that is not plain (a view, say) sends the whole plan down FX's slower pickle
+    (twice the load time of a warm compile's plan): the passes record values as make_fx does,
+    detached. Every strategy's buckets, casts and stages, planned, are plain."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    cases = [({"zero": 3}, 2), ({"zero": 2, "mixed_precision": {"param_dtype": "bfloat16"}}, 2),
+             ({"zero": 0, "bucket_mb": 0.01}, 2),
+             ({"zero": 1, "mesh": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 4}}, 4)]
+    with ctx.Pool(1, maxtasksperchild=1) as pool:
+        for options, world in cases:
+            assert pool.apply(_values_not_plain, (options, world)) == [], options

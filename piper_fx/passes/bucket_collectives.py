@@ -27,14 +27,16 @@ the same task code, compiled once for all of them (`codegen.shared`).
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..compat import (bucketing, detect_fake_mode, repair_users, sort_bucket_region, stable_topological_sort,
-                      takes_cast, trace_bucket, tracing)
+from ..compat import (bucketing, detect_fake_mode, sort_bucket_region, stable_topological_sort, takes_cast,
+                      trace_bucket, tracing, tree_map_only)
 from ..ir import BACKWARD_KINDS, TrainingDAG
 from ..ops import ALL_GATHER, LEGACY_WAIT, UNIT, WAIT
 from ..options import Strategy
@@ -176,19 +178,53 @@ def _merge(graph: fx.Graph, bucket: list[fx.Node], fn: Callable, trace_args: Cal
                 continue
             copy = graph.node_copy(node, env.__getitem__)
             args, kwargs = fx.map_arg((copy.args, copy.kwargs), lambda n: n.meta["val"])
-            copy.meta = {**meta, "val": copy.target(*args, **kwargs)}
+            copy.meta = {**meta, "val": _detached(copy.target(*args, **kwargs))}
             env[node] = copy
             new_nodes.append(copy)
     users = [user for wait in waits for user in wait.users]
     for wait, output in zip(waits, outputs):
         wait.replace_all_uses_with(output)
-    repair_users(users)
+    _repair(users)
     for collective, wait in zip(bucket, waits):
         graph.erase_node(wait)
         graph.erase_node(collective)
     for cast in reversed(casts):
         graph.erase_node(cast)
     sort_bucket_region(graph, new_nodes, inputs)
+
+
+def _detached(value: Any) -> Any:
+    """`value` as make_fx records values: each tensor detached, so a view's value is no view
+    (the plan cache pickles values that are not views by their layout: `compat.pickle_graphs`)
+    and still shares its base's storage."""
+    return tree_map_only(torch.Tensor, torch.Tensor.detach, value)
+
+
+def _repair(users: list[fx.Node]) -> None:
+    """Recompute the values of `users` (of a bucket's outputs), and in turn of theirs, where they
+    change: a bucket's view of a value may have other strides than the value it replaces
+    (Inductor's `_recompute_changed_user_metadata`, the values detached). As there, a node
+    whose op does not run on its inputs' values keeps its value."""
+    work, queued = collections.deque(users), set(users)
+    while work:
+        node = work.popleft()
+        queued.discard(node)
+        if node.op != "call_function" or "val" not in node.meta \
+                or not all("val" in n.meta for n in node.all_input_nodes):
+            continue
+        args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+        try:
+            with detect_fake_mode([n.meta["val"] for n in node.all_input_nodes]) or contextlib.nullcontext():
+                value = _detached(node.target(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - best effort, as Inductor's repair
+            continue
+        if _layout(value) == _layout(node.meta["val"]):
+            continue
+        node.meta["val"] = value
+        for user in node.users:
+            if user not in queued:
+                queued.add(user)
+                work.append(user)
 
 
 def _gather_from_flat_copy(inputs: list, group_name: str, group_size: int, dtype: torch.dtype) -> list:
