@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from . import plan_cache
 from .capture import capture
-from .codegen import compile_program, warm_up
+from .codegen import compile_program, prepare, warm_up
 from .compat import drop_spec_guards
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
@@ -95,6 +95,8 @@ def planned_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, d
     dump.recorded = {} if dump.enabled and key is not None else None
     dag = plan(gm, example_inputs, strategy, dump, stats)
     planned = plan_of(dag, strategy.rank, dump.recorded)
+    with stats.phase("codegen prepare"):
+        prepare(planned.program, strategy.codegen)
     dump.recorded = None
     if key is not None:
         with stats.phase("plan cache"):

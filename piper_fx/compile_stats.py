@@ -39,7 +39,8 @@ _CACHE_COUNTERS = {"fxgraph_cache_hit": "cache_hit", "fxgraph_cache_miss": "comp
 class CompileStats:
     """Seconds per phase of one compile, in order: `plan cache` (looking the plan up, and
     storing it), `capture`, `pass:<name>` per pass (with verification, when on), `dumps`
-    (writing them, when on), `codegen regions` (cutting tasks into regions),
+    (writing them, when on), `codegen prepare` (what code generation does to a plan's graphs
+    when it is made: `codegen.prepare`), `codegen regions` (cutting tasks into regions),
     `codegen:<task>` per task or region (`F0.r3`); `plan`: where the plan came from
     (`planned`; `planned, cached`; `cache hit`: `plan_cache`); `tasks`: how many tasks'
     (or regions') code came each way (`compiled`, `cache_hit`, `cache_bypass` under

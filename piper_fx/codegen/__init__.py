@@ -30,6 +30,16 @@ def warm_up(codegen: str, device: torch.device | None) -> inductor.WarmUp | None
     return inductor.WarmUp(device) if codegen == "inductor" else None
 
 
+def prepare(program: RankProgram, codegen: str) -> None:
+    """What code generation does to the task graphs of a plan, done when the step is planned,
+    so that the plan cache keeps it and a warm compile finds it done: under Inductor, each
+    graph's values named by position (`inductor.name_by_position`: rewriting a task's code,
+    0.15 s a rank on a GPT of 12 blocks under ZeRO-3)."""
+    if codegen == "inductor":
+        for task in program.tasks.values():
+            inductor.name_by_position(task.graph)
+
+
 def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: CompileStats,
                     time_waits: bool = False, warmed: inductor.WarmUp | None = None) -> dict[str, CompiledTask]:
     """Each task of `program`, compiled; its time and how its code was obtained go into `stats`.
@@ -103,4 +113,4 @@ def _regions_source(task: str, keys: list[str], code: dict[str, tuple[CompiledTa
     return "".join(parts)
 
 
-__all__ = ["compile_program", "CompiledTask", "Task", "warm_up"]
+__all__ = ["compile_program", "CompiledTask", "prepare", "Task", "warm_up"]
