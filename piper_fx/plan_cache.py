@@ -31,6 +31,8 @@ its values would have to be in the key.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import io
 import logging
@@ -239,12 +241,30 @@ def load(key: str) -> Plan | None:
         return None
     try:
         # Static shapes, as in capture's fake mode: Inductor's FX graph cache needs a shape env.
-        plan = load_graphs(zlib.decompress(data), FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True))
+        with _collector_paused():
+            plan = load_graphs(zlib.decompress(data), FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True))
     except Exception as error:  # noqa: BLE001 - a stale or damaged entry is planned again
         log.warning("piper_fx: could not read the cached plan %s (%s: %s); planning again",
                     path, type(error).__name__, error)
         return None
     return plan if isinstance(plan, Plan) else None
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector paused while a plan loads: unpickling makes some 10^5
+    objects that all live on (graph nodes, their metadata and fake values), and each
+    automatic collection walks those made so far again. The plan of a GPT of 12 blocks under
+    ZeRO-3 loaded in 0.47-0.57 s with it on, 0.26 s with it off. Nothing of the load is
+    garbage, so nothing is collected after."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def store(key: str, plan: Plan, strict: bool = False) -> None:
