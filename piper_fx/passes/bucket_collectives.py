@@ -136,6 +136,8 @@ class _Traces:
 
 
 def _layout(arg: Any) -> Any:
+    """What a trace (or a value's metadata) depends on of `arg`: a tensor's shape, strides,
+    offset, dtype and device; a list's or tuple's of each item; anything else itself."""
     if isinstance(arg, torch.Tensor):
         return "T", tuple(arg.shape), arg.stride(), arg.storage_offset(), arg.dtype, arg.device
     if isinstance(arg, (list, tuple)):
