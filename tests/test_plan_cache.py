@@ -186,6 +186,6 @@ def test_every_value_of_a_planned_program_is_pickled_by_its_layout():
     cases = [({"zero": 3}, 2), ({"zero": 2, "mixed_precision": {"param_dtype": "bfloat16"}}, 2),
              ({"zero": 0, "bucket_mb": 0.01}, 2),
              ({"zero": 1, "mesh": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 4}}, 4)]
-    with ctx.Pool(1, maxtasksperchild=1) as pool:
+    with ctx.Pool(1) as pool:  # one process plans them all, each on a fake group of its own
         for options, world in cases:
             assert pool.apply(_values_not_plain, (options, world)) == [], options
