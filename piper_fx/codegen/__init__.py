@@ -42,10 +42,10 @@ def prepare(program: RankProgram, codegen: str) -> None:
 
 def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: CompileStats,
                     time_waits: bool = False, warmed: inductor.WarmUp | None = None) -> dict[str, CompiledTask]:
-    """Each task of `program`, compiled; its time and how its code was obtained go into `stats`.
-    Under Inductor, collective: every rank compiles its program at once (`shared`), each task
-    whole or as its regions (`regions`), each distinct code once; `warmed`: the `warm_up`
-    started for it, if any."""
+    """Each task of `program` (`prepare`d for `codegen`), compiled; its time and how its code
+    was obtained go into `stats`. Under Inductor, collective: every rank compiles its program
+    at once (`shared`), each task whole or as its regions (`regions`), each distinct code
+    once; `warmed`: the `warm_up` started for it, if any."""
     tasks = list(program.tasks.values())
     if codegen != "inductor":
         compiled: dict[str, CompiledTask] = {}
@@ -63,7 +63,6 @@ def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: 
     cut: dict[str, regions.Regions] = {}
     with stats.phase("codegen regions"):
         for task in tasks:
-            inductor.name_by_position(task.graph)
             task_regions = regions.cut(task.graph)
             if task_regions is None:
                 units.append(task)
