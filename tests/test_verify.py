@@ -20,6 +20,22 @@ def test_two_inputs_with_one_argument_name_are_rejected():
     graph.output((graph.call_function(torch.add, (first, second)),))
     problems = graph_problems(graph)
     assert "two inputs are the argument 'tanh'" in problems[0], problems
+    with pytest.raises(SyntaxError, match="duplicate argument"):  # what the check stands for
+        compile(graph.python_code(root_module="self").src, "<graph>", "exec")
+
+
+@pytest.mark.parametrize("name", ["class", "layer.0.x", "2x"])
+def test_an_input_python_cannot_take_as_an_argument_is_rejected(name):
+    graph = fx.Graph()
+    x = graph.placeholder(name)
+    graph.output((graph.call_function(torch.neg, (x,)),))
+    problems = graph_problems(graph)
+    assert problems == [f"input {x.name} has the argument name {name!r}, which Python rejects"], problems
+    with pytest.raises(SyntaxError):
+        compile(graph.python_code(root_module="self").src, "<graph>", "exec")
+    fine = fx.Graph()
+    fine.output((fine.call_function(torch.neg, (fine.placeholder("x"),)),))
+    assert graph_problems(fine) == []
 
 
 def test_a_value_read_before_it_is_defined_is_rejected():
