@@ -4,19 +4,22 @@ Ranks of a data-parallel group run the same task graphs (bucketing names no rank
 `passes.bucket_collectives`), and a rank's pipeline stages often repeat another's
 layers. Inductor's FX graph cache (TORCHINDUCTOR_CACHE_DIR) lets any process load
 code another compiled, but ranks that compile at the same time all miss it and
-each compiles everything. So, under Inductor, the ranks first exchange what they
-are about to compile: the key of each task (its code and its inputs' layouts) and
-where their cache is (host and directory). Every distinct task is given to one
-rank of those holding it with the same cache, the least loaded so far (by nodes,
-largest first), the same answer on every rank. Each rank compiles what it was
-given; then all ranks wait for each other, and compile the rest, which they now
-load from the cache (a rank whose cache does not have it, say on another file
-system, compiles it: slower, never wrong).
+each compiles everything. So, under Inductor, the ranks claim what they compile:
+each rank goes through its distinct tasks, costliest first (by nodes), and
+compiles a task only if it is the first rank to claim it, in the default process
+group's store (an atomic `add` on a key of the task's code key and where the
+rank's cache is: host and directory). A rank that finishes early claims what is
+left, so the ranks finish their shares together, whatever each task's compile
+takes (a split fixed in advance by node count left one rank of a 12-block
+ZeRO-3 GPT waiting 3-5 s for the other). Then all ranks wait for each other and
+compile the rest, which they now load from the cache (a rank whose cache is
+another's, say on another file system, claims apart from it and compiles it:
+slower, never wrong).
 
 A rank whose own compiles fail tells its peers in that wait: it raises its own
 error, they a `PiperError` naming it, instead of waiting for it in the step.
 Without a process group (one process, or the fake group that plans large worlds)
-there is no one to share with and nothing is exchanged.
+there is no one to share with and nothing is claimed.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..compat import inductor_cache_dir, inductor_config
+from ..compat import default_store, inductor_cache_dir, inductor_config
 from ..errors import PiperError
 from ..ir import Task
 
@@ -39,11 +42,12 @@ from ..ir import Task
 @dataclass(frozen=True)
 class Shares:
     """This rank's tasks in the order to compile them: `first` before the ranks wait for
-    each other (those given to it), `then` after (those a peer compiles)."""
+    each other (its distinct tasks, costliest first, each compiled here if `claim` gives it
+    to this rank), `then` after (repeats, and those a peer claimed)."""
 
     first: list[Task]
     then: list[Task]
-    exchanged: bool  # whether the ranks exchanged their tasks (and so must wait for each other)
+    claim: Callable[[Task], bool] | None  # None: nothing exchanged, compile all of `first`
 
 
 def code_key(gm: fx.GraphModule) -> str:
@@ -73,64 +77,69 @@ def _cache() -> str | None:
     return f"{socket.gethostname()}:{os.path.realpath(inductor_cache_dir())}"
 
 
-def assign(everyone: Sequence[tuple[str | None, Sequence[tuple[str, int]]]]) -> dict[tuple[str, str], int]:
-    """Who compiles what: for each rank's (cache, [(task key, cost)]), each distinct
-    (cache, key) -> the rank that compiles it, among those holding it: the least loaded
-    so far, the costliest tasks given out first; ties to the lowest rank."""
-    holders: dict[tuple[str, str], list[int]] = {}
-    costs: dict[tuple[str, str], int] = {}
-    for rank, (cache, tasks) in enumerate(everyone):
-        if cache is None:
-            continue
-        for key, cost in tasks:
-            holders.setdefault((cache, key), []).append(rank)
-            costs[(cache, key)] = cost
-    load = [0] * len(everyone)
-    owner: dict[tuple[str, str], int] = {}
-    for held in sorted(holders, key=lambda held: (-costs[held], held)):
-        rank = min(holders[held], key=lambda r: (load[r], r))
-        owner[held] = rank
-        load[rank] += costs[held]
-    return owner
+class Claims:
+    """Which rank compiles each task, claimed in `store` under `prefix`: the first rank to
+    claim a (cache, code key) compiles it, for every rank sharing that cache. A rank
+    without a shared cache (`cache` None) compiles everything it holds, for no one."""
+
+    def __init__(self, store: dist.Store, prefix: str, cache: str | None):
+        self.store, self.prefix, self.cache = store, prefix, cache
+
+    def __call__(self, key: str) -> bool:
+        if self.cache is None:
+            return True
+        name = hashlib.sha256(f"{self.cache}\0{key}".encode()).hexdigest()[:32]
+        return self.store.add(f"{self.prefix}/{name}", 1) == 1
+
+
+def order(costs: Sequence[int], keys: Sequence[str]) -> tuple[list[int], list[int]]:
+    """Of tasks with these costs and code keys: the indices to claim, each distinct key's
+    first, costliest first, ties by key, the same order on every rank; and the rest (repeats)."""
+    first: dict[str, int] = {}
+    rest = []
+    for index, key in enumerate(keys):
+        if key in first:
+            rest.append(index)
+        else:
+            first[key] = index
+    return sorted(first.values(), key=lambda index: (-costs[index], keys[index])), rest
 
 
 def share(tasks: Sequence[Task], keys: Sequence[str]) -> Shares:
-    """Exchange the tasks about to be compiled, with their `code_key`s, with every rank
-    (collective, under a process group) and split them into this rank's share and the rest."""
+    """The tasks about to be compiled, with their `code_key`s, in the order to claim and
+    compile them (collective, under a process group: the ranks agree on where to claim)."""
     if not _exchanging():
-        return Shares(list(tasks), [], exchanged=False)
-    cache = _cache()
-    mine = (cache, [(key, len(task.graph.graph.nodes)) for key, task in zip(keys, tasks)])
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    owner = assign(everyone)
-    rank = dist.get_rank()
-    first, then, seen = [], [], set()
-    for key, task in zip(keys, tasks):
-        # Ours to compile, or no one's (no shared cache): the first of its kind now; any
-        # repeat of it on this rank after, with the peers' (its code reused in the process).
-        ours = cache is None or owner[(cache, key)] == rank
-        (first if ours and key not in seen else then).append(task)
-        seen.add(key)
-    return Shares(first, then, exchanged=True)
+        return Shares(list(tasks), [], claim=None)
+    # Each compile claims under a name of its own, rank 0's: the store outlives this compile.
+    nonce = [os.urandom(16).hex()]
+    dist.broadcast_object_list(nonce, src=0)
+    claims = Claims(default_store(), f"piper_fx/compile/{nonce[0]}", _cache())
+    firsts, rest = order([len(task.graph.graph.nodes) for task in tasks], keys)
+    key_of = {id(tasks[index]): keys[index] for index in firsts}
+    return Shares([tasks[index] for index in firsts], [tasks[index] for index in rest],
+                  claim=lambda task: claims(key_of[id(task)]))
 
 
 def compile_shares(shares: Shares, compile_one: Callable[[Task], None],
                    wait: Callable[[], contextlib.AbstractContextManager]) -> None:
-    """Compile this rank's share, wait for every rank to compile theirs (inside `wait()`),
-    then the rest. If this rank's share fails, the peers hear of it in the wait."""
+    """Compile the tasks this rank claims, wait for every rank to compile theirs (inside
+    `wait()`), then the rest. If this rank's share fails, the peers hear of it in the wait."""
     failure = None
+    later = []
     try:
         for task in shares.first:
-            compile_one(task)
+            if shares.claim is None or shares.claim(task):
+                compile_one(task)
+            else:
+                later.append(task)
     except Exception as error:
         failure = error
-        if not shares.exchanged:
+        if shares.claim is None:
             raise
-    if shares.exchanged:
+    if shares.claim is not None:
         with wait():
             _agree(failure)
-    for task in shares.then:
+    for task in later + shares.then:
         compile_one(task)
 
 
