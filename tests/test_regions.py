@@ -4,6 +4,7 @@ import torch
 import torch.fx as fx
 
 from piper_fx.codegen import regions
+from piper_fx.codegen.shared import code_key
 from piper_fx.ops import LAYER
 
 
@@ -47,6 +48,10 @@ def test_a_task_is_cut_between_its_layers_and_runs_as_the_whole_does():
             for region in cut.regions] == [1, 1, 1, 2]  # the head stays with the last layer
     keys = [region.key for region in cut.regions]
     assert keys[0] == keys[1] == keys[2] != keys[3], keys
+    # Each key, read off the task's nodes, is the key of the region's graph; only the first
+    # region of a key is made a graph, which its repeats run.
+    assert [code_key(region.graph) for region in cut.regions] == keys
+    assert cut.regions[0].graph is cut.regions[1].graph is cut.regions[2].graph is not cut.regions[3].graph
     inputs = [torch.randn(4, 4, generator=torch.Generator().manual_seed(i)) for i in range(5)]
     runner = cut.runner([_boxed(region.graph) for region in cut.regions])
     args = list(inputs)

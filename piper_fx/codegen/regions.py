@@ -6,7 +6,8 @@ costs N layers' code generation where PyTorch, compiling each block with
 `Module.compile()` (torchtitan), pays one. So under Inductor a task's graph is
 cut, in its own order (the overlap policy's: `reorder_for_overlap`), into one
 region per unit it computes (`ops.LAYER`), and regions with the same code and
-input layouts (`shared.code_key`) are compiled once and their code run for each.
+input layouts (`shared.span_key`) are compiled once and their code run for each;
+only the first region of each is made a graph.
 
 Where a cut goes: between the last heavy node (a matmul or an attention) of one
 unit and the first heavy node of the next, at the first node of the next unit
@@ -31,7 +32,7 @@ import torch.fx as fx
 
 from ..ops import LAYER, is_heavy
 from .inductor import name_by_position
-from .shared import code_key
+from .shared import span_key
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class Region:
     """A span of a task's nodes as a graph of its own: it reads the slots `inputs` and writes
     its outputs into the slots `outputs`. The slots `last_read` (read by no later region) are
     emptied before it runs, so its boxed code frees them at their last use inside it. `key`:
-    its `shared.code_key`, the same for regions that run the same code."""
+    its `shared.span_key`, the same for regions that run the same code, which share one
+    `graph` (the first's)."""
 
     graph: fx.GraphModule
     inputs: tuple[int, ...]
@@ -117,17 +119,22 @@ def cut(gm: fx.GraphModule) -> Regions | None:
         return None
     for node in crossing:
         slot[node] = len(slot)
-    regions = []
-    for index, part in enumerate(parts):
+    spanned = []  # (inputs, outputs, key) of each part
+    for part in parts:
         inside = set(part)
         inputs = list(dict.fromkeys(s for n in part for s in n.all_input_nodes if s not in inside))
         outputs = [n for n in part if n in slot]
-        graph = _region_graph(gm, part, inputs, outputs)
-        last_read = tuple(slot[s] for s in inputs if last[s] == index)
-        regions.append(Region(graph, tuple(slot[s] for s in inputs), tuple(slot[n] for n in outputs), last_read,
-                              code_key(graph)))
-    if len({r.key for r in regions}) == len(regions):
+        spanned.append((inputs, outputs, span_key(inputs, part, tuple(outputs))))
+    if len({key for _, _, key in spanned}) == len(spanned):
         return None
+    regions = []
+    graphs: dict[str, fx.GraphModule] = {}  # the first region of each key's: a repeat runs its code
+    for index, (part, (inputs, outputs, key)) in enumerate(zip(parts, spanned)):
+        if key not in graphs:
+            graphs[key] = _region_graph(gm, part, inputs, outputs)
+        last_read = tuple(slot[s] for s in inputs if last[s] == index)
+        regions.append(Region(graphs[key], tuple(slot[s] for s in inputs), tuple(slot[n] for n in outputs),
+                              last_read, key))
     result = tuple(slot[n] for n in output.args[0])
     return Regions(tuple(regions), len(slot), result)
 

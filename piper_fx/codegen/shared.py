@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..compat import default_store, inductor_cache_dir, inductor_config
+from ..compat import default_store, inductor_cache_dir, inductor_config, qualified_name
 from ..errors import PiperError
 from ..ir import Task
 
@@ -51,16 +51,44 @@ class Shares:
 
 
 def code_key(gm: fx.GraphModule) -> str:
-    """What Inductor's FX graph cache keys a task's (or a region's) graph by, as far as ranks
-    and tasks can differ in it: its code (values named by position,
-    `inductor.name_by_position`) and its inputs' layouts."""
-    digest = hashlib.sha256(gm.code.encode())
-    for node in gm.graph.find_nodes(op="placeholder"):
+    """What Inductor's FX graph cache keys a task's graph by, as far as ranks and tasks can
+    differ in it (`span_key` of the whole graph)."""
+    nodes = [node for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
+    output = next(node for node in reversed(gm.graph.nodes) if node.op == "output")
+    return span_key(gm.graph.find_nodes(op="placeholder"), nodes, output.args[0])
+
+
+class _Value:
+    """A value of a graph in its key, by position: `%v3` (a string argument `"v3"` reads `'v3'`)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"%{self.name}"
+
+
+def span_key(inputs: Sequence[fx.Node], nodes: Sequence[fx.Node], outputs: object) -> str:
+    """The key of the graph that takes `inputs`, runs `nodes` and returns `outputs` (a
+    structure of nodes): each node's op, target and arguments, values named by position
+    as in the code of that graph (`inductor.name_by_position`), with the inputs' layouts.
+    Equal for graphs with equal code and input layouts, read off the nodes without making
+    the graph (a region of a task is made a graph only if it is the first with its key)."""
+    position = {node: _Value(f"in{index}") for index, node in enumerate(inputs)}
+    position.update((node, _Value(f"v{index}")) for index, node in enumerate(nodes))
+    digest = hashlib.sha256()
+    for node in inputs:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             digest.update(repr((tuple(val.shape), val.stride(), val.dtype, val.device)).encode())
         else:
             digest.update(repr(val).encode())
+    for node in nodes:
+        target = node.target if isinstance(node.target, str) else qualified_name(node.target)
+        digest.update(repr((node.op, target, fx.map_arg((node.args, node.kwargs), position.__getitem__))).encode())
+    digest.update(repr(fx.map_arg(outputs, position.__getitem__)).encode())
     return digest.hexdigest()
 
 
