@@ -452,8 +452,9 @@ class JointLevel(_Checked):
     Made by `capture.capture`; the joint passes rewrite it (experts, ZeRO
     gathers, gradient reductions as functional collectives; placements).
     Invariants:
-      - the graph is well formed: node and argument names unique, every node
-        reads only nodes defined before it, its generated code compiles;
+      - the graph is well formed: node names unique, its inputs distinct Python
+        argument names (so its generated code compiles), every node reads only
+        nodes defined before it;
       - `dag.inputs` describe its placeholders, one each, and `dag.outputs`
         what it returns, in order;
       - every placeholder, and every op whose value is read, carries its `val`
