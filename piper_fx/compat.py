@@ -218,6 +218,8 @@ def default_store() -> dist.Store:
     """The key-value store the default process group was set up with (`codegen.shared` claims
     tasks in it with `Store.add`); public would be an accessor on the group; there is none."""
     return dist.distributed_c10d._get_default_store()
+
+
 # The profiler's events as a tree, with each allocation's size and time, for
 # `runtime.memory.peak_allocated_bytes` (public: the profiler's memory timeline, which needs
 # shapes and stacks recorded, and reports by category rather than one running total).

@@ -12,9 +12,9 @@ rank's cache is: host and directory). A rank that finishes early claims what is
 left, so the ranks finish their shares together, whatever each task's compile
 takes (a split fixed in advance by node count left one rank of a 12-block
 ZeRO-3 GPT waiting 3-5 s for the other). Then all ranks wait for each other and
-compile the rest, which they now load from the cache (a rank whose cache is
-another's, say on another file system, claims apart from it and compiles it:
-slower, never wrong).
+compile the rest, which they now load from the cache. Ranks with different
+caches (say on different file systems) claim apart, each group compiling for
+itself: slower, never wrong.
 
 A rank whose own compiles fail tells its peers in that wait: it raises its own
 error, they a `PiperError` naming it, instead of waiting for it in the step.
