@@ -167,11 +167,16 @@ def _all_programs(schedule: str, pp: int, dp: int, zero: int) -> dict:
 
 
 def _check_programs(schedule: str, pp: int, dp: int, zero: int) -> list[str]:
+    import torch
+
     from piper_fx.ir import ProgramLevel
     from piper_fx.verify import (collective_order_problems, point_to_point_problems,
                                  use_before_definition_problems)
 
+    torch._dynamo.reset()  # the worker planned other schedules of the same model before
     programs = _all_programs(schedule, pp, dp, zero)
+    if sorted(programs) != list(range(pp * dp)):
+        return [f"planned ranks {sorted(programs)}"]
     same_dp_group = lambda rank, name: (rank // dp, name)  # noqa: E731 - one plan names every rank's dp group alike
     problems = point_to_point_problems(programs) + collective_order_problems(programs, same_dp_group)
     for program in programs.values():
@@ -187,9 +192,10 @@ def test_every_schedules_programs_match_messages_in_order_and_collectives_across
     """pp = 2 x dp = 2 with ZeRO-3 (a collective per layer, per microbatch) for every preset and a
     hand-written schedule: every pair of ranks sends and receives the same messages in the same
     order (as NCCL needs), and every process group's ranks issue the same collectives in order."""
-    # A process per plan: each makes its own fake process group.
-    with multiprocessing.get_context("spawn").Pool(2, maxtasksperchild=1) as pool:
-        results = pool.starmap(_check_programs, [(s, 2, 2, 3) for s in PRESETS])
+    # Two processes side by side, each planning one schedule after another, each plan on a fake
+    # process group of its own (made and destroyed by `plan_all_ranks`).
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        results = pool.starmap(_check_programs, [(s, 2, 2, 3) for s in PRESETS], chunksize=1)
     assert dict(zip(PRESETS, results)) == {s: [] for s in PRESETS}
 
 
