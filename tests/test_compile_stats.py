@@ -194,6 +194,7 @@ def test_each_task_shared_through_a_cache_is_compiled_by_the_one_rank_that_claim
         holding = [rank for rank, (held_through, _) in enumerate(ranks) if held_through == cache]
         for key in {key for rank in holding for key in ranks[rank][1]}:
             assert sum(key in compiled[rank] for rank in holding) == 1, (cache, key)
-    # A later compile claims under a prefix of its own.
-    assert Claims(store, "compile/1", "host0:/cache")("k0")
-
+    # Once claimed, a task is no one else's; a later compile claims under a prefix of its own.
+    first, again = Claims(store, "compile/0", "host0:/cache"), Claims(store, "compile/0", "host0:/cache")
+    assert first("k9") and not again("k9") and not first("k9")
+    assert Claims(store, "compile/1", "host0:/cache")("k9")
