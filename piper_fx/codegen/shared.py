@@ -42,12 +42,12 @@ from ..ir import Task
 @dataclass(frozen=True)
 class Shares:
     """This rank's tasks in the order to compile them: `first` before the ranks wait for
-    each other (its distinct tasks, costliest first, each compiled here if `claim` gives it
-    to this rank), `then` after (repeats, and those a peer claimed)."""
+    each other (its distinct tasks with their code keys, costliest first, each compiled here
+    if `claim` gives its key to this rank), `then` after (repeats, and those a peer claimed)."""
 
-    first: list[Task]
+    first: list[tuple[Task, str]]
     then: list[Task]
-    claim: Callable[[Task], bool] | None  # None: nothing exchanged, compile all of `first`
+    claim: Claims | None  # None: nothing exchanged, compile all of `first`
 
 
 def code_key(gm: fx.GraphModule) -> str:
@@ -137,15 +137,13 @@ def share(tasks: Sequence[Task], keys: Sequence[str]) -> Shares:
     """The tasks about to be compiled, with their `code_key`s, in the order to claim and
     compile them (collective, under a process group: the ranks agree on where to claim)."""
     if not _exchanging():
-        return Shares(list(tasks), [], claim=None)
+        return Shares(list(zip(tasks, keys)), [], claim=None)
     # Each compile claims under a name of its own, rank 0's: the store outlives this compile.
     nonce = [os.urandom(16).hex()]
     dist.broadcast_object_list(nonce, src=0)
     claims = Claims(default_store(), f"piper_fx/compile/{nonce[0]}", _cache())
     firsts, rest = order([len(task.graph.graph.nodes) for task in tasks], keys)
-    key_of = {id(tasks[index]): keys[index] for index in firsts}
-    return Shares([tasks[index] for index in firsts], [tasks[index] for index in rest],
-                  claim=lambda task: claims(key_of[id(task)]))
+    return Shares([(tasks[index], keys[index]) for index in firsts], [tasks[index] for index in rest], claims)
 
 
 def compile_shares(shares: Shares, compile_one: Callable[[Task], None],
@@ -155,8 +153,8 @@ def compile_shares(shares: Shares, compile_one: Callable[[Task], None],
     failure = None
     later = []
     try:
-        for task in shares.first:
-            if shares.claim is None or shares.claim(task):
+        for task, key in shares.first:
+            if shares.claim is None or shares.claim(key):
                 compile_one(task)
             else:
                 later.append(task)
