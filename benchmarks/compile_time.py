@@ -7,7 +7,12 @@ sharing the directory, as a second run of a training job does).
 Per pair and side: the cold first step once, and the warm first step `--rounds` times, each in
 new rank processes (the slowest rank's time, median and spread over rounds), with piper_fx's
 `compile_stats` of the last warm run (where the plan came from and how each task's code was
-obtained). Beside them, each side's RSS, the largest rank's: its peak over the compile and
+obtained), and then, per side, where rank 0's first step went, cold and in the last warm run,
+from Dynamo's own timings of its phases (`DYNAMO_PHASES`): its trace of the frames, the backend
+(piper_fx's whole compile; AOTAutograd and Inductor for the native side), Inductor within it
+(and a backward compiled lazily, outside it), building the guards, and what the step spent
+outside Dynamo's compiles (running it and the first optimizer step, and the native side's
+eager parts). Beside them, each side's RSS, the largest rank's: its peak over the compile and
 `STEPS` steps, and in brackets what it still held after them (median over the warm runs):
 memory measured in processes of its own, so neither side's count holds the other's (in
 `compare.py` both sides share each process). The pairs and models are `compare.py`'s (the example GPT, 8 sequences per rank;
@@ -35,6 +40,10 @@ import compare  # noqa: E402  (also puts the repository on the path)
 
 PER_RANK = 8
 STEPS = 5  # steps after the first, within the peak RSS
+# Where a first step goes: Dynamo's timings (seconds per phase, summed over the process's
+# frames), by the name this table gives them. "Dynamo" is each frame's whole compile.
+DYNAMO_PHASES = {"Dynamo trace": "bytecode_tracing", "backend": "OutputGraph.call_user_compiler",
+                 "Inductor": "compile_fx_inner", "guards": "build_guards", "Dynamo": "_compile.compile_inner"}
 
 
 def _pairs(world: int, cfg: compare.GPTConfig = compare.CFG) -> dict:
@@ -68,8 +77,11 @@ def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str
     everyone = [None] * world
     dist.all_gather_object(everyone, (seconds, compare._peak_rss_mb(), compare._peak_rss_mb("VmRSS")))
     if rank == 0:
+        from torch._dynamo.utils import compilation_time_metrics  # no public accessor
+        phases = {name: sum(compilation_time_metrics.get(key, ())) for name, key in DYNAMO_PHASES.items()}
+        phases["outside"] = seconds - phases.pop("Dynamo")
         results.put((max(s for s, _, _ in everyone), (max(p for _, p, _ in everyone), max(h for _, _, h in everyone)),
-                     piper_fx.last_compile_stats().get("summary") if side == 0 else None))
+                     piper_fx.last_compile_stats().get("summary") if side == 0 else None, phases))
     dist.destroy_process_group()
 
 
@@ -101,10 +113,10 @@ def _train(rank: int, world: int, pair: str, side: int, cfg) -> float:
     return seconds
 
 
-def _run(world: int, cache_dir: str, pair: str, side: int, cfg) -> tuple[float, tuple[float, float], str | None]:
+def _run(world: int, cache_dir: str, pair: str, side: int, cfg) -> tuple[float, tuple[float, float], str | None, dict]:
     """The first step of `pair`'s `side` (0: piper_fx, 1: native) in `world` new processes:
-    its time, the largest rank's RSS in MB (peak, held after the steps), and piper_fx's
-    compile summary."""
+    its time, the largest rank's RSS in MB (peak, held after the steps), piper_fx's
+    compile summary, and where rank 0's first step went (`DYNAMO_PHASES`, and `outside`)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,6 +137,13 @@ def _rss(sides: list[tuple[float, float]]) -> str:
             f"{peak / native_peak:5.2f} ({held / native_held:4.2f})")
 
 
+def _phases(runs: list[dict]) -> str:
+    """Cold and last warm seconds of each phase of rank 0's first step, piper_fx | native."""
+    (cold, native_cold), (warm, native_warm) = runs
+    return "  ".join(f"{name} {cold[name]:.2f}|{native_cold[name]:.2f}; {warm[name]:.2f}|{native_warm[name]:.2f}"
+                     for name in cold)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
@@ -141,25 +160,34 @@ def main() -> None:
     print(f"{'pair':<20} {'cold s piper/native':>20} {'ratio':>5} {'warm s piper (spread)':>22} "
           f"{'warm s native (spread)':>23} {'ratio':>5} {'cold RSS MB peak (held)':>27} {'ratio':>11} "
           f"{'warm RSS MB peak (held)':>27} {'ratio':>11}  piper's last warm compile_stats")
+    phases = {}  # pair -> ((piper cold, native cold), (piper warm, native warm)), each phase's seconds
     with tempfile.TemporaryDirectory() as tmp:
         for index, pair in enumerate(_pairs(args.nproc, cfg)):
             if args.only and not any(word in pair for word in args.only):
                 continue
-            cold, warm, cold_rss, warm_rss, summary = [], [], [], [], None
+            cold, warm, cold_rss, warm_rss, summary, split = [], [], [], [], None, ([], [])
             for side in (0, 1):
                 cache_dir = os.path.join(tmp, f"pair{index}_side{side}")
-                seconds, rss, _ = _run(args.nproc, cache_dir, pair, side, cfg)
+                seconds, rss, _, cold_phases = _run(args.nproc, cache_dir, pair, side, cfg)
                 cold.append(seconds)
                 cold_rss.append(rss)
                 runs = [_run(args.nproc, cache_dir, pair, side, cfg) for _ in range(args.rounds)]
-                warm.append([seconds for seconds, _, _ in runs])
-                warm_rss.append(tuple(statistics.median(rss[k] for _, rss, _ in runs) for k in (0, 1)))
+                warm.append([seconds for seconds, _, _, _ in runs])
+                warm_rss.append(tuple(statistics.median(rss[k] for _, rss, _, _ in runs) for k in (0, 1)))
                 summary = summary or runs[-1][2]
+                split[0].append(cold_phases)
+                split[1].append(runs[-1][3])
+            phases[pair] = split
             medians = [statistics.median(w) for w in warm]
             spreads = [(max(w) - min(w)) / statistics.median(w) for w in warm]
             print(f"{pair:<20} {cold[0]:9.1f}/{cold[1]:<10.1f} {cold[0] / cold[1]:5.2f} "
                   f"{medians[0]:14.2f} ({spreads[0]:3.0%}) {medians[1]:15.2f} ({spreads[1]:3.0%}) "
                   f"{medians[0] / medians[1]:5.2f} {_rss(cold_rss)} {_rss(warm_rss)}  {summary}", flush=True)
+    print("\nwhere rank 0's first step went, s, piper_fx|native, cold; last warm run (Dynamo's timings: its trace, "
+          "the backend, Inductor (within it, or a lazy backward outside it), the guards; outside: the rest of the "
+          "step, outside Dynamo's compiles)")
+    for pair, runs in phases.items():
+        print(f"{pair:<20} {_phases(runs)}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from . import plan_cache
 from .capture import capture
 from .codegen import compile_program, prepare, warm_up
-from .compat import drop_spec_guards
+from .compat import drop_spec_guards, dynamo_trace_seconds
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
 from .errors import PiperError
@@ -157,7 +157,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     device = check_one_device(example_inputs)
 
     dump = DebugDump(strategy.debug_dir, strategy.rank)
-    stats = CompileStats()
+    stats = CompileStats(dynamo_trace_s=dynamo_trace_seconds())
     warming = warm_up(strategy.codegen, device)  # in the background, while the step is planned
     planned = planned_step(gm, example_inputs, strategy, dump, stats)
     # Replicated parameters and buffers the model was compiled with, without

@@ -52,6 +52,8 @@ from torch._dynamo.utils import counters as dynamo_counters  # noqa: F401
 # The id of the frame Dynamo is compiling, which names the debug dump's folder as TORCH_LOGS and
 # tlparse name it (`graph0`, `graph0_1` for a recompile); no public accessor.
 from torch._guards import CompileContext  # noqa: F401
+# Dynamo's own timings of its phases, per process (`dynamo_trace_seconds`); no public accessor.
+from torch._dynamo.utils import compilation_time_metrics as _dynamo_timings
 # Inductor, compiling one task graph at a time with its decompositions, its config (to keep
 # the planned order of collectives), and its collective bucketing passes.
 from torch._inductor import config as inductor_config  # noqa: F401
@@ -81,6 +83,14 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state  # noqa: F
 # public in name only under torch.utils._python_dispatch / _pytree.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._pytree import tree_leaves, tree_map_only  # noqa: F401
+
+
+def dynamo_trace_seconds() -> float | None:
+    """Seconds Dynamo spent tracing the frame whose backend it is calling now (the last of its
+    `bytecode_tracing` timings, appended before the backend runs); None outside a Dynamo
+    compile, or if it kept none. Read from its per-process timings: no public accessor."""
+    timings = _dynamo_timings.get("bytecode_tracing")
+    return timings[-1] if timings and CompileContext.current_compile_id() is not None else None
 
 
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:

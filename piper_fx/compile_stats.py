@@ -4,8 +4,8 @@ The backend fills one `CompileStats` per compile (`piper_fx.last_compile_stats()
 writes it to the dumps (`compile_stats.txt`),
 and counts how each task's code was obtained: compiled by Inductor, loaded from
 its FX graph cache (TORCHINDUCTOR_CACHE_DIR, shared by ranks, runs and
-processes), or built eagerly. Dynamo's own tracing runs before the backend and
-is not in it.
+processes), or built eagerly. Dynamo's own tracing of the frame runs before the
+backend: its seconds are reported beside the compile's, not in them.
 """
 from __future__ import annotations
 
@@ -45,11 +45,13 @@ class CompileStats:
     (`planned`; `planned, cached`; `cache hit`: `plan_cache`); `tasks`: how many tasks'
     (or regions') code came each way (`compiled`, `cache_hit`, `cache_bypass` under
     Inductor, `repeated` for a task or region whose code another of the program has,
-    compiled once; `eager`)."""
+    compiled once; `eager`); `dynamo_trace_s`: Dynamo's tracing of the frame before the compile
+    (not in its total; None where Dynamo kept no timing)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     tasks: Counter = field(default_factory=Counter)
     plan: str = "planned"
+    dynamo_trace_s: float | None = None
     _lap_start: float = field(default_factory=time.perf_counter, repr=False)
 
     def _add(self, name: str, seconds: float) -> None:
@@ -98,14 +100,16 @@ class CompileStats:
 
     def as_dict(self) -> dict:
         return {"summary": self.summary(), "total_s": self.total_s, "by_kind": self.by_kind(),
-                "seconds": dict(self.seconds), "plan": self.plan,
+                "seconds": dict(self.seconds), "plan": self.plan, "dynamo_trace_s": self.dynamo_trace_s,
                 "tasks": {kind: count for kind, count in self.tasks.items() if count}}
 
     def summary(self) -> str:
-        """One line: the total, each kind of phase, and how the tasks' code was obtained."""
+        """One line: Dynamo's trace before the compile, the compile's total, each kind of phase,
+        and how the tasks' code was obtained."""
         kinds = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in self.by_kind().items())
         tasks = ", ".join(f"{count} {kind.replace('_', ' ')}" for kind, count in sorted(self.tasks.items()) if count)
-        return f"compile {self.total_s:.2f} s ({kinds}); plan: {self.plan}; tasks: {tasks or 'none'}"
+        traced = f"Dynamo trace {self.dynamo_trace_s:.2f} s, then " if self.dynamo_trace_s is not None else ""
+        return f"{traced}compile {self.total_s:.2f} s ({kinds}); plan: {self.plan}; tasks: {tasks or 'none'}"
 
     def render(self) -> str:
         """The summary, then every phase, slowest first."""

@@ -85,6 +85,10 @@ def test_compile_stats_time_each_phase_and_later_compiles_reuse_the_plan_and_eve
         stats = run["stats"]
         assert abs(sum(stats["by_kind"].values()) - stats["total_s"]) < 1e-9
         assert all(seconds >= 0 for seconds in stats["seconds"].values())
+        # Dynamo's trace of the frame, before the compile and not in its total, leads the summary.
+        assert stats["dynamo_trace_s"] > 0
+        assert stats["summary"].startswith(f"Dynamo trace {stats['dynamo_trace_s']:.2f} s, then compile "
+                                           f"{stats['total_s']:.2f} s (")
     dumped = next((tmp_path / "dumps" / "0").rglob("compile_stats.txt")).read_text()
     assert "plan: planned, cached; tasks: 2 compiled" in dumped.splitlines()[0]
     assert "pass:split_stages" in dumped
@@ -198,3 +202,22 @@ def test_each_task_shared_through_a_cache_is_compiled_by_the_one_rank_that_claim
     first, again = Claims(store, "compile/0", "host0:/cache"), Claims(store, "compile/0", "host0:/cache")
     assert first("k9") and not again("k9") and not first("k9")
     assert Claims(store, "compile/1", "host0:/cache")("k9")
+
+
+def test_dynamo_trace_is_the_frames_being_compiled_and_none_outside_a_compile():
+    import torch
+
+    from piper_fx.compat import dynamo_trace_seconds
+    from piper_fx.compile_stats import CompileStats
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(dynamo_trace_seconds())
+        return gm.forward
+
+    torch.compile(lambda x: (x * 2).sum(), backend=backend)(torch.ones(3))
+    assert len(seen) == 1 and seen[0] > 0
+    # After the compile, and in a compile stats made outside one (a plan made by hand): none.
+    assert dynamo_trace_seconds() is None
+    assert CompileStats().summary().startswith("compile 0.00 s (")
