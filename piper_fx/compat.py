@@ -87,8 +87,10 @@ from torch.utils._pytree import tree_leaves, tree_map_only  # noqa: F401
 
 def dynamo_trace_seconds() -> float | None:
     """Seconds Dynamo spent tracing the frame whose backend it is calling now (the last of its
-    `bytecode_tracing` timings, appended before the backend runs); None outside a Dynamo
-    compile, or if it kept none. Read from its per-process timings: no public accessor."""
+    `bytecode_tracing` timings, appended when a trace ends, before the backend runs; a graph
+    broken mid-frame is compiled during the frame's retrace, and reads the attempt before it);
+    None outside a Dynamo compile, or if it kept none. From Dynamo's per-process timings, which
+    have no public accessor."""
     timings = _dynamo_timings.get("bytecode_tracing")
     return timings[-1] if timings and CompileContext.current_compile_id() is not None else None
 
