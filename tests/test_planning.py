@@ -170,6 +170,7 @@ def test_gradient_buckets_are_ddps_a_small_first_one_then_bucket_mb():
         sizes = {mb: pool.apply(_reduction_bucket_bytes, ("all_reduce", [65536] * 12, mb, True))
                  for mb in (25, 1.5, 0.5)}
         epilogue = pool.apply(_reduction_bucket_bytes, ("all_reduce", [65536] * 12, 25, False))
+        scatters = pool.apply(_reduction_bucket_bytes, ("reduce_scatter", [65536] * 12, 25, True))
     kib = 1024
     # Twelve gradients of 256 KiB. As DDP's reducer: the first bucket (the last layer's gradients)
     # holds at most 1 MiB, so its reduction starts early in the backward; the next ones up to bucket_mb.
@@ -178,6 +179,8 @@ def test_gradient_buckets_are_ddps_a_small_first_one_then_bucket_mb():
     assert sizes[0.5] == [512 * kib] * 6, sizes
     # An epilogue's reductions (once per step, after the last backward) have nothing to hide behind.
     assert epilogue == [3072 * kib], epilogue
+    # ZeRO-2/3's reduce-scatters bucket by size alone, in a backward task too.
+    assert scatters == [3072 * kib], scatters
 
 
 def test_buckets_of_one_layout_share_one_trace_each_with_values_of_its_own():
@@ -199,8 +202,9 @@ def _reductions(draw):
 
 
 def test_gradient_buckets_follow_the_policy_for_any_sizes_and_caps():
-    # Inductor groups and merges; the pass carves out each run's first bucket: together they must
-    # make exactly the buckets the plain policy makes, for either reduction kind.
+    # Inductor groups and merges; the pass carves out each run's first bucket of all-reduces (with
+    # `small_first`; reduce-scatters bucket by size alone): together they must make exactly the
+    # buckets the plain policy makes, for either reduction kind.
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(1) as pool:
         @settings(max_examples=30, deadline=None, derandomize=True, database=None)
@@ -208,7 +212,8 @@ def test_gradient_buckets_follow_the_policy_for_any_sizes_and_caps():
         def check(case):
             kind, numels, bucket_mb, small_first = case
             got = pool.apply(_reduction_bucket_bytes, case)
-            assert got == _ddp_buckets([4 * n for n in numels], bucket_mb, small_first), (case, got)
+            expected = _ddp_buckets([4 * n for n in numels], bucket_mb, small_first and kind == "all_reduce")
+            assert got == expected, (case, got)
         check()
 
 

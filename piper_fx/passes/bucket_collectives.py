@@ -16,13 +16,13 @@ ZeRO-3 parameter all-gather bucket never spans two layers (`piper_unit`), so a
 layer's parameters are gathered together and no more than a layer is held for
 a bucket; the other collectives (once-per-step gathers, gradient reductions)
 bucket by size alone, and, as DDP's reducer does, in a backward task the first
-bucket of a run of reductions (all-reduces, reduce-scatters) is at most 1 MiB
+bucket of a run of all-reduces is at most 1 MiB
 (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`), so the first gradients
 issued, the last layer's, start reducing while the backward has most of its
 work left. (An epilogue's reductions have no compute left to hide behind:
-they bucket by size alone.) An all-gather bucket gathers from a flat copy of the
-rank's shards, not from the rank's slot of the gathered buffer as Inductor's
-own merge does: the graph then names no rank, so every rank of the group has
+they bucket by size alone; so do ZeRO-2/3's reduce-scatters, `_bucket_reductions`.)
+An all-gather bucket gathers from a flat copy of the rank's shards, not from
+the rank's slot of the gathered buffer as Inductor's own merge does: the graph then names no rank, so every rank of the group has
 the same task code, compiled once for all of them (`codegen.shared`).
 """
 from __future__ import annotations
@@ -86,15 +86,20 @@ def _first_buckets(gm: fx.GraphModule, is_kind, group_key, first_mb: float) -> s
 def _bucket_reductions(gm: fx.GraphModule, bucket_mb: float, small_first: bool, traces: _Traces) -> None:
     """Merge the gradient reductions (reduce-scatters, all-reduces) greedily, in issue
     order, into buckets of at most `bucket_mb`, but, with `small_first`, the first of each
-    run, which takes at most 1 MiB (`_first_buckets`): Inductor's grouping and merge
-    functions, with DDP's policy."""
-    first_mb = min(bucket_mb, dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20) if small_first else bucket_mb
+    run of all-reduces, which takes at most 1 MiB (`_first_buckets`): Inductor's grouping
+    and merge functions, with DDP's policy for all-reduces. Reduce-scatters (ZeRO-2/3)
+    bucket by size alone: a small first one would end inside some layer's gradients, making
+    that layer's backward code unlike the others' (one more region to compile,
+    `codegen.regions`), and under ZeRO-3 it would queue in the group ahead of the next
+    layers' gathers; on the example GPT, step times did not move (12 blocks of width 64,
+    4 of width 128) and the 12 blocks' backward compiles one region less."""
+    first_mb = min(bucket_mb, dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20)
     kinds = ((bucketing.is_reduce_scatter_tensor, bucketing._rs_group_key, bucketing.bucket_reduce_scatter_by_mb,
-              bucketing.reduce_scatter_merge_fn_to_trace, _reduce_scatter_args),
+              bucketing.reduce_scatter_merge_fn_to_trace, _reduce_scatter_args, False),
              (bucketing.is_all_reduce_tensor, bucketing._ar_group_key, bucketing.bucket_all_reduce_by_mb,
-              bucketing.all_reduce_merge_fn_to_trace, _all_reduce_args))
-    for is_kind, group_key, group, merge_fn, trace_args in kinds:
-        first = _first_buckets(gm, is_kind, group_key, first_mb)
+              bucketing.all_reduce_merge_fn_to_trace, _all_reduce_args, small_first))
+    for is_kind, group_key, group, merge_fn, trace_args, first_small in kinds:
+        first = _first_buckets(gm, is_kind, group_key, first_mb) if first_small else set()
         buckets = group(gm, lambda _: first_mb, lambda wait: wait.args[0] in first) \
             + group(gm, lambda _: bucket_mb, lambda wait: is_kind(wait.args[0]) and wait.args[0] not in first)
         for bucket in buckets:
