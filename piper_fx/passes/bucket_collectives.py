@@ -22,8 +22,9 @@ issued, the last layer's, start reducing while the backward has most of its
 work left. (An epilogue's reductions have no compute left to hide behind:
 they bucket by size alone; so do ZeRO-2/3's reduce-scatters, `_bucket_reductions`.)
 An all-gather bucket gathers from a flat copy of the rank's shards, not from
-the rank's slot of the gathered buffer as Inductor's own merge does: the graph then names no rank, so every rank of the group has
-the same task code, compiled once for all of them (`codegen.shared`).
+the rank's slot of the gathered buffer as Inductor's own merge does: the graph
+then names no rank, so every rank of the group has the same task code,
+compiled once for all of them (`codegen.shared`).
 """
 from __future__ import annotations
 
@@ -88,11 +89,10 @@ def _bucket_reductions(gm: fx.GraphModule, bucket_mb: float, small_first: bool, 
     order, into buckets of at most `bucket_mb`, but, with `small_first`, the first of each
     run of all-reduces, which takes at most 1 MiB (`_first_buckets`): Inductor's grouping
     and merge functions, with DDP's policy for all-reduces. Reduce-scatters (ZeRO-2/3)
-    bucket by size alone: a small first one would end inside some layer's gradients, making
+    bucket by size alone: a small first one ended inside some layer's gradients, making
     that layer's backward code unlike the others' (one more region to compile,
-    `codegen.regions`), and under ZeRO-3 it would queue in the group ahead of the next
-    layers' gathers; on the example GPT, step times did not move (12 blocks of width 64,
-    4 of width 128) and the 12 blocks' backward compiles one region less."""
+    `codegen.regions`); without it, on the example GPT, step times did not move (12 blocks
+    of width 64, 4 of width 128) and the 12 blocks' backward compiles one region less."""
     first_mb = min(bucket_mb, dist._DEFAULT_FIRST_BUCKET_BYTES / 2**20)
     kinds = ((bucketing.is_reduce_scatter_tensor, bucketing._rs_group_key, bucketing.bucket_reduce_scatter_by_mb,
               bucketing.reduce_scatter_merge_fn_to_trace, _reduce_scatter_args, False),
