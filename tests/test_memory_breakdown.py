@@ -30,8 +30,10 @@ MARGIN = 0.15
 # ZeRO-3 with `prefetch` 1 has up to two all-gathers in flight, and gloo stages a copy of
 # each one's output (9% of what the step makes here): whether none, one or both are alive
 # at the peak depends on when gloo's thread gets to them. Measured: 0%, 9% and 18% of
-# three runs of the same step.
-MARGINS = {"zero3": 0.25}
+# three runs of the same step. In 18 runs of this file at two commits whose programs here
+# are the same, 3 went over 25%; a CI run's rank 1 read 34%, 596 KB over: the size of a
+# third such buffer, or of a copy of the step's one reduce-scatter input (618 KB).
+MARGINS = {"zero3": 0.4}
 
 
 @pytest.fixture(scope="module")
