@@ -100,8 +100,9 @@ def _bucket_reductions(gm: fx.GraphModule, bucket_mb: float, small_first: bool, 
               bucketing.all_reduce_merge_fn_to_trace, _all_reduce_args, small_first))
     for is_kind, group_key, group, merge_fn, trace_args, first_small in kinds:
         first = _first_buckets(gm, is_kind, group_key, first_mb) if first_small else set()
-        buckets = group(gm, lambda _: first_mb, lambda wait: wait.args[0] in first) \
-            + group(gm, lambda _: bucket_mb, lambda wait: is_kind(wait.args[0]) and wait.args[0] not in first)
+        firsts = group(gm, lambda _: first_mb, lambda wait: wait.args[0] in first) if first else []
+        buckets = firsts + group(gm, lambda _: bucket_mb,
+                                 lambda wait: is_kind(wait.args[0]) and wait.args[0] not in first)
         for bucket in buckets:
             _merge(gm.graph, bucket, merge_fn, lambda inputs, first=bucket[0], args=trace_args: args(first, inputs),
                    traces)
