@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from . import plan_cache
 from .capture import capture
 from .codegen import compile_program, prepare, warm_up
-from .compat import drop_spec_guards, dynamo_trace_seconds
+from .compat import dynamo_trace_seconds
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
 from .errors import PiperError
@@ -31,6 +31,7 @@ from .prepare import check_prepared
 from .runtime.executor import ProgramExecutor
 from .runtime.step import CompiledStep
 from .schedules import svg, text_grid
+from .sharding.dtensor_params import stood_for
 from .sharding.holdings import Holding, has_holding, record_holding, record_pipeline_trainer, release
 from .sharding.mesh import dp_group_name, group_names, pp_group_name
 from .sharding.replicas import broadcast_from_first_replica
@@ -153,8 +154,13 @@ def check_one_device(example_inputs: list) -> torch.device | None:
 
 def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
     strategy = parse_options_on_all_ranks(options)
-    check_prepared(strategy, example_inputs)
-    device = check_one_device(example_inputs)
+    # The compiled call's arguments as the step sees them: the parameters where Dynamo traced
+    # their program placeholders (`dtensor_params`; capture and the plan's key read those
+    # as such). The step stands them in on every call.
+    placeholders = [i for i, t in enumerate(example_inputs) if stood_for(t) is not t]
+    arguments = [stood_for(t) for t in example_inputs]
+    check_prepared(strategy, arguments)
+    device = check_one_device(arguments)
 
     dump = DebugDump(strategy.debug_dir, strategy.rank)
     stats = CompileStats(dynamo_trace_s=dynamo_trace_seconds())
@@ -163,9 +169,9 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     # Replicated parameters and buffers the model was compiled with, without
     # `prepare`: start every replica from the first one's values, as DDP does.
     replicated = [i.arg_index for i in planned.inputs if i.role in (InputRole.PARAM, InputRole.BUFFER)]
-    broadcast_from_first_replica([example_inputs[i] for i in replicated], planned.dp_group)
-    record_compiled_holdings(planned, example_inputs, strategy)
-    release_other_stages(planned, example_inputs, strategy)
+    broadcast_from_first_replica([arguments[i] for i in replicated], planned.dp_group)
+    record_compiled_holdings(planned, arguments, strategy)
+    release_other_stages(planned, arguments, strategy)
     program = planned.program
     dump.write("program.txt", program.render())
     dump.write("schedule.txt", text_grid(planned.schedule))
@@ -176,24 +182,24 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
 
     randomness = step_randomness(planned.randomness, strategy)
     if randomness is not None:  # the model's dropout stream, which checkpoints save and restore
-        attach_stream([example_inputs[i.arg_index] for i in planned.inputs
+        attach_stream([arguments[i.arg_index] for i in planned.inputs
                        if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)], randomness)
     seed_shape, seed_dtype, seed_device = planned.seed or (None, None, None)
     num_user_outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
-    # The step checks the placements of the DTensor parameters and buffers itself, by identity,
-    # where Dynamo would check each in Python on every call.
-    specs = {i.arg_index: example_inputs[i.arg_index]._spec for i in planned.inputs
-             if i.role in HELD_ROLES and isinstance(example_inputs[i.arg_index], DTensor)}
-    drop_spec_guards(gm, list(specs))
+    # The step checks the placements of the DTensor parameters and buffers itself, by identity:
+    # Dynamo traced and guards their placeholders, plain tensors.
+    specs = {i.arg_index: arguments[i.arg_index]._spec for i in planned.inputs
+             if i.role in HELD_ROLES and isinstance(arguments[i.arg_index], DTensor)}
     return CompiledStep(
         ProgramExecutor(program, compiled, device), planned.inputs, planned.outputs,
         seed_shape, seed_dtype, seed_device,
         num_user_outputs,
-        {i.arg_index: tuple(example_inputs[i.arg_index].shape) for i in planned.inputs
+        {i.arg_index: tuple(arguments[i.arg_index].shape) for i in planned.inputs
          if i.role is InputRole.INPUT},
         dump,
         randomness=randomness,
         specs=specs,
+        placeholders=placeholders,
     )
 
 

@@ -23,7 +23,7 @@ from .errors import PiperError
 from .ir import GraphInput, GraphOutput, InputRole, OutputRole, TrainingDAG
 from .ops import LAYER
 from .options import MixedPrecision, Strategy
-from .sharding.dtensor_params import is_replicated_parameter, program_tensor
+from .sharding.dtensor_params import is_replicated_parameter, placeholder_name, program_tensor, stood_for
 from .sharding.experts import EXPERT_ATTR, UNSHARD_EXPERTS
 from .sharding.row_shard import INFO_ATTR, UNSHARD, sharded_parameter_info
 from .sharding.units import layer_of
@@ -97,8 +97,11 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
         if not isinstance(example, torch.Tensor):
             raise PiperError(f"compiled argument {index} is {type(example).__name__}: piper_fx compiles "
                              "tensor arguments only")
-        if isinstance(example, DTensor):
-            example = _read_as_program_tensor(node, example, index)
+        parameter = stood_for(example)  # a DTensor parameter, where Dynamo saw its program placeholder
+        if isinstance(parameter, DTensor):
+            # Dynamo's example value: a DTensor only where the model read the parameter itself.
+            read_directly = isinstance(node.meta.get("example_value"), DTensor)
+            example = _read_as_program_tensor(node, parameter, index, read_directly)
         if microbatches > 1 and not isinstance(example, nn.Parameter) and not _fqn_from_source(node)[1]:
             if example.dim() == 0 or example.shape[0] % microbatches:
                 raise PiperError(f"compiled argument {index} has shape {tuple(example.shape)}: its dim 0 must "
@@ -110,15 +113,17 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
     return gm, args, kept
 
 
-def _read_as_program_tensor(node: fx.Node, parameter: torch.Tensor, index: int) -> nn.Parameter:
+def _read_as_program_tensor(node: fx.Node, parameter: torch.Tensor, index: int, read_directly: bool) -> nn.Parameter:
     """Make the graph read the DTensor parameter `parameter` (placeholder `node`) as the plain
-    tensor the program computes with (`dtensor_params.program_tensor`): its `to_local()`
-    reads become the placeholder itself. Returns the example to trace it with, a plain
-    `nn.Parameter` carrying what piper_fx knows of the parameter."""
+    tensor the program computes with (`dtensor_params.program_tensor`). Dynamo traced it so
+    where the model read it through its program placeholder; where it read the parameter
+    itself (one registered anew after `prepare`), its `to_local()` reads become the
+    placeholder. Returns the example to trace it with, a plain `nn.Parameter` carrying
+    what piper_fx knows of the parameter."""
     if sharded_parameter_info(parameter) is None and not is_replicated_parameter(parameter):
         raise PiperError(f"compiled argument {index} is a DTensor that piper_fx.prepare did not make; piper_fx "
                          "places the model's parameters itself: pass plain tensors and parameters")
-    for user in list(node.users):
+    for user in list(node.users) if read_directly else ():
         if not (user.op == "call_method" and user.target == "to_local"):
             raise PiperError(f"the model reads its parameter {_fqn_from_source(node)[0] or node.name} other than "
                              f"through its module's attribute ({user.format_node()}); read it as "
@@ -187,7 +192,7 @@ def _trace_mixed_precision(gm: fx.GraphModule, examples: list, policy: MixedPrec
 
 
 def _describe_inputs(joint: fx.GraphModule, traced_inputs: list, arg_indices: list[int],
-                     dynamo_placeholders: list[fx.Node]) -> list[GraphInput]:
+                     dynamo_placeholders: list[fx.Node], names: list[str | None]) -> list[GraphInput]:
     """The role of every joint-graph placeholder (parameter, shard, buffer, batch input, tangent)."""
     inputs: list[GraphInput] = []
     for node in joint.graph.nodes:
@@ -199,6 +204,8 @@ def _describe_inputs(joint: fx.GraphModule, traced_inputs: list, arg_indices: li
         elif isinstance(desc, aot_desc.PlainAOTInput):
             example = traced_inputs[desc.idx]
             fqn, is_buffer = _fqn_from_source(dynamo_placeholders[desc.idx])
+            # A placeholder's source is no name of the model's: the parameter's name is its own.
+            fqn = names[desc.idx] or fqn
             role = _input_role(example, is_buffer)
             sharded = sharded_parameter_info(example)
             if sharded is not None:
@@ -272,7 +279,8 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
         layer = layer_of(node, strategy.units)
         if layer is not None:
             node.meta[LAYER] = layer
-    inputs = _describe_inputs(joint, traced_inputs, arg_indices, dynamo_placeholders)
+    names = [placeholder_name(example_inputs[i]) for i in arg_indices]
+    inputs = _describe_inputs(joint, traced_inputs, arg_indices, dynamo_placeholders, names)
     output_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
     outputs, kept = _describe_outputs(output_node, arg_indices, training)
     if training:

@@ -142,57 +142,6 @@ def has_grad_hooks(tensor: torch.Tensor) -> bool:
     return bool(tensor._backward_hooks) or bool(getattr(tensor, "_post_accumulate_grad_hooks", None))
 
 
-def drop_spec_guards(gm: torch.fx.GraphModule, indices: list[int]) -> int:
-    """Drop the guards Dynamo is about to install on the DTensor spec and mesh of the
-    compiled frame's graph inputs at `indices` (placeholders of `gm`): its
-    `DTENSOR_SPEC_MATCH` (a Python lambda comparing a deep copy of the spec field by
-    field) and, on the mesh, object aliasing (`a.device_mesh is b.device_mesh`, another
-    lambda) and opaque-object guards. Each costs a Python call per parameter and step,
-    which Dynamo's dict-tag fast path does not skip as it skips an unchanged plain
-    parameter's, while their type, local tensor (shape, dtype, device) and
-    `requires_grad` keep their guards in C++. For parameters whose spec the caller
-    checks itself on every call. Must run inside the backend, before Dynamo builds the
-    frame's guards; returns how many it dropped (none outside a Dynamo compile).
-    Public would be `torch.compile(..., options={"guard_filter_fn": ...})`, which only
-    the caller of `torch.compile` can pass, and which no backend can."""
-    from collections import defaultdict
-
-    from torch._dynamo.source import AttrSource, ChainedSource
-
-    context = TracingContext.try_get()
-    if context is None:
-        return 0
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    targets = set()
-    for index in indices:
-        grapharg = placeholders[index].meta.get("grapharg")
-        if grapharg is not None and grapharg.source is not None:
-            targets.update(AttrSource(grapharg.source, member) for member in ("_spec", "device_mesh"))
-    guards = context.guards_context.dynamo_guards
-    if not targets or not hasattr(guards, "remove_guards_with_source"):
-        return 0  # a torch without it keeps the guards: slower calls, same behaviour
-    before = len(guards)
-    if not (hasattr(guards, "inner") and hasattr(guards, "source_to_guards")):
-        for target in targets:
-            guards.remove_guards_with_source(target)
-        return before - len(guards)
-
-    def derived(source) -> bool:  # `is_from_source(source, t)` for any target t, one walk
-        while source not in targets:
-            if not isinstance(source, ChainedSource):
-                return False
-            source = source.base
-        return True
-
-    # What `remove_guards_with_source` does for one source, for all of them in one pass over
-    # the guards (once per source, it went over every guard per parameter: quadratic).
-    guards.inner = type(guards.inner)(g for g in guards.inner if not derived(g.originating_source))
-    guards.source_to_guards = defaultdict(list)
-    for guard in guards.inner:
-        guards.track_guard_by_source(guard)
-    return before - len(guards)
-
-
 def check_vec_isa(isa, loads: Callable[[str], bool], loaded: Callable[[str], None]) -> bool:
     """`bool(isa)`: whether Inductor's C++ code can be built for the vector ISA `isa` (cached
     per ISA for the process), with its load probe answered by `loads(library)` where that

@@ -57,6 +57,7 @@ from .ir import GraphInput, GraphOutput, InputRole, RankProgram, TrainingDAG
 from .ops import META_PREFIX
 from .options import Strategy
 from .passes.functionalize_random import random_input
+from .sharding.dtensor_params import placeholder_name, stood_for
 from .sharding.experts import EXPERT_ATTR
 from .sharding.row_shard import sharded_parameter_info
 
@@ -209,8 +210,8 @@ def _add_all(add, gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
         if "nn_module_stack" in node.meta:  # keyed by the modules' ids: their paths and classes alone
             add(repr([(path, _class_name(cls)) for path, cls in node.meta["nn_module_stack"].values()]))
         add(_describe_value(node.meta.get("example_value")))
-    for value in example_inputs:
-        add(_describe_input(value))
+    for value in example_inputs:  # a program placeholder: the parameter it stands for, and its name
+        add(_describe_input(stood_for(value)) + f"|{placeholder_name(value)}")
     # Global state tracing reads: whether the step trains, and autocast's (on CPU and GPU).
     add(f"grad {torch.is_grad_enabled()} " + " ".join(
         f"autocast {d} {torch.is_autocast_enabled(d)} {torch.get_autocast_dtype(d)}" for d in ("cpu", "cuda")))

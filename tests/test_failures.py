@@ -88,9 +88,11 @@ def test_arguments_unlike_the_compiled_ones_are_rejected_before_the_step_runs():
         assert "but this step was compiled for" in placement["message"], placement
         assert f"piper_fx rank {rank}: failed before running its step" in placement["notes"], placement
         assert outcomes["equal_placement"]["type"] is None, (rank, outcomes["equal_placement"])
-        # Dynamo installed no guard on any parameter's spec or mesh: the step checks them itself.
+        # Dynamo traced the parameters' plain program placeholders and installed no guard on any
+        # DTensor parameter, its spec or its mesh: the step checks the placements itself.
         guards = outcomes["spec_guards"]
         assert guards["frames"] >= 1 and guards["dtensor_parameters"] > 0, guards
+        assert guards["placeholder_guards"] > 0, guards
         assert guards["guards"] == 0, guards
         assert "is on device meta, but this step was compiled for cpu" in rejected["device"]["message"]
         assert "has shape (1, 9), but this step was compiled for (2, 9)" in rejected["shape"]["message"]

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import piper_fx
 from examples.gpt import GPT, GPTConfig
+from piper_fx.sharding.dtensor_params import stood_for
 
 # Odd sizes on purpose: vocab 37 and block 9 rows do not divide by 2 or 4 ranks.
 SMALL = dict(vocab_size=37, block_size=9, n_layer=2, n_head=2, n_embd=16)
@@ -802,8 +803,9 @@ def bad_input_worker(rank: int, world: int) -> dict:
     outcomes = {"dtype": call_with(x.int()), "device": call_with(x.to("meta")), "shape": call_with(x[:1])}
     # A parameter placed otherwise than compiled (same global shape and local tensor), which the
     # step checks in place of Dynamo's guards on its spec; then a new parameter with an equal spec.
-    (weight,) = [i for i, a in enumerate(args) if a is model.lm_head._parameters["weight"]]
-    replicated = args[weight]
+    # Dynamo passes each parameter's program placeholder; the step takes a parameter itself as well.
+    (weight,) = [i for i, a in enumerate(args) if stood_for(a) is model.lm_head._parameters["weight"]]
+    replicated = stood_for(args[weight])
 
     def call_with_weight(value):
         return _call_timed(lambda: step(*args[:weight], value, *args[weight + 1:])[0].backward())
@@ -821,14 +823,18 @@ def bad_input_worker(rank: int, world: int) -> dict:
 
 
 def _parameter_spec_guards(model) -> dict:
-    """Of Dynamo's guards on `model`'s compiled forward: how many read a parameter's DTensor
-    spec or mesh, and how many parameters are DTensors."""
+    """Of Dynamo's guards on `model`'s compiled forward: how many read a registered parameter
+    (a DTensor, whose program placeholder Dynamo should see instead; guards that an absent
+    one, e.g. a bias, is None aside) or a DTensor spec or mesh, how many read a program
+    placeholder, and how many parameters are DTensors."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     entries = _debug_get_cache_entry_list(type(model).forward.__code__)
-    lines = [line for entry in entries for line in str(entry.guard_manager).splitlines()
-             if "_parameters[" in line and ("._spec" in line or ".device_mesh" in line)]
-    return {"frames": len(entries), "guards": len(lines), "examples": lines[:3],
+    lines = [line for entry in entries for line in str(entry.guard_manager).splitlines()]
+    dtensor = [line for line in lines if ("_parameters[" in line and "NoneType" not in line and "NONE_MATCH" not in line)
+               or "._spec" in line or ".device_mesh" in line]
+    return {"frames": len(entries), "guards": len(dtensor), "examples": dtensor[:3],
+            "placeholder_guards": sum("_piper_program_placeholders" in line for line in lines),
             "dtensor_parameters": sum(isinstance(p, DTensor) for p in model.parameters())}
 
 
@@ -913,3 +919,57 @@ def failing_compile_worker(rank: int, world: int, fail_rank: int) -> str:
         inductor.compile_task = compile_task
         torch._dynamo.reset()
     return "nothing raised"
+
+
+def program_placeholders_worker(rank: int, world: int) -> dict:
+    """What Dynamo traces of a prepared model (dp over every rank, ZeRO-0 and ZeRO-3): the
+    parameters' program placeholders, and what becomes of them. Per ZeRO level: a parameter
+    frozen after the first step (the next call rejects it, the one after compiles anew and
+    trains the others alone), a deep copy of the model (its placeholders stand for its own
+    parameters), a parameter registered anew (its placeholder dropped), and the model
+    compiled by another backend (its backward refuses to train the placeholders)."""
+    from torch.distributed.tensor import DTensor
+
+    from piper_fx.sharding.dtensor_params import _PLACEHOLDERS
+
+    results = {}
+    for zero in (0, 3):
+        torch._dynamo.reset()  # a fresh model per level: no recompile limit, no guard on the last one
+        cfg = GPTConfig(**SMALL, tied_embeddings=True)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        options = {"codegen": "eager", "zero": zero}
+        piper_fx.prepare(model, options)
+        step = torch.compile(model, backend="piper", options=options)
+        x, y = global_batch(0, 2 * world, cfg)
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        step(x, y).backward()
+        result = {}
+        placeholders = getattr(model.wte, _PLACEHOLDERS)
+        weight = model.wte._parameters["weight"]
+        result["stands_for_its_parameter"] = stood_for(placeholders["weight"]) is weight
+        result["placeholder_is_plain"] = not isinstance(placeholders["weight"], DTensor)
+        result["tied_share_one"] = getattr(model.lm_head, _PLACEHOLDERS)["weight"] is placeholders["weight"]
+        # Frozen after compiling: this call is refused, the next compiles anew without its gradient.
+        frozen = model.blocks[0].mlp.fc._parameters["weight"]
+        frozen.requires_grad_(False)
+        model.zero_grad()
+        result["frozen_call"] = outcome_of(*_call_timed(lambda: step(x, y).backward()))
+        result["after_frozen_call"] = outcome_of(*_call_timed(lambda: step(x, y).backward()))
+        result["frozen_grad_is_none"] = frozen.grad is None
+        result["others_have_grads"] = all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        frozen.requires_grad_(True)
+        # A deep copy: its placeholders stand for its own parameters, tied ones still one.
+        model.zero_grad()
+        twin = copy.deepcopy(model)
+        twin_placeholders = getattr(twin.wte, _PLACEHOLDERS)
+        result["copy_stands_for_copy"] = stood_for(twin_placeholders["weight"]) is twin.wte._parameters["weight"]
+        result["copy_tied_share_one"] = getattr(twin.lm_head, _PLACEHOLDERS)["weight"] is twin_placeholders["weight"]
+        # A parameter registered anew drops its placeholder: reads give the new one.
+        twin.ln_f.bias = torch.nn.Parameter(twin.ln_f._parameters["bias"].detach().clone())
+        result["registered_anew_dropped"] = "bias" not in getattr(twin.ln_f, _PLACEHOLDERS)
+        # Another backend traces the placeholders: its backward must not train them in silence.
+        other = torch.compile(model, backend="aot_eager")
+        result["other_backend"] = outcome_of(*_call_timed(lambda: other(x, y).backward()))
+        results[zero] = result
+    return results

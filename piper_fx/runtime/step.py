@@ -32,7 +32,7 @@ from ..debug import DebugDump
 from ..errors import PiperError
 from ..ir import HELD_ROLES, GraphInput, GraphOutput, InputRole, OutputRole
 from ..philox import StepRandomness
-from ..sharding.dtensor_params import accumulate_grad, parameter_grad, program_tensor
+from ..sharding.dtensor_params import accumulate_grad, parameter_grad, program_tensor, stood_for
 from . import failures
 from .executor import ProgramExecutor, StepRun
 from .memory import optimizer_state_bytes, optimizer_state_version, record_optimizer_state, storage_bytes
@@ -99,7 +99,8 @@ class CompiledStep:
                  seed_shape: torch.Size | None, seed_dtype: torch.dtype | None, seed_device: torch.device | None,
                  num_user_outputs: int,
                  batch_shapes: dict[int, tuple[int, ...]], dump: DebugDump | None = None,
-                 randomness: StepRandomness | None = None, specs: dict[int, DTensorSpec] | None = None):
+                 randomness: StepRandomness | None = None, specs: dict[int, DTensorSpec] | None = None,
+                 placeholders: Sequence[int] = ()):
         self.executor = executor
         self.randomness = randomness  # feeds the graph's random ops (`InputRole.RNG`), if it has any
         self.dump = dump
@@ -136,10 +137,14 @@ class CompiledStep:
         self.grad_outputs = [(o.name, o.index) for o in self.outputs if o.role is OutputRole.GRAD]
         self.mutation_outputs = [(o.name, o.index) for o in self.outputs if o.role is OutputRole.MUTATION]
         # The DTensor spec each DTensor parameter or buffer was compiled with, by argument index:
-        # checked on every call in place of Dynamo's guards on them (`compat.drop_spec_guards`),
-        # by identity while the argument keeps its spec object, by value when it has a new one.
+        # checked on every call (Dynamo guards their plain program placeholders), by identity
+        # while the argument keeps its spec object, by value when it has a new one.
         names = {i.arg_index: i.fqn or i.name for i in self.inputs}
         self.specs = [(index, names[index], spec) for index, spec in (specs or {}).items()]
+        # The arguments Dynamo passes as program placeholders (`dtensor_params`), for which the
+        # step takes the parameters they stand for, and whether the step computes each one's gradient.
+        computes_grad = {o.index for o in self.outputs if o.role is OutputRole.GRAD}
+        self.placeholders = [(index, index in computes_grad) for index in placeholders]
         self._held_key: tuple = ()  # what `_held` last counted its first two parts for, and those parts
         self._held_bytes: dict[str, int] = {}
 
@@ -149,7 +154,8 @@ class CompiledStep:
 
     def _check_arguments(self, args: Sequence[torch.Tensor]) -> None:
         """Raise a `PiperError` for a batch argument unlike the one this step was compiled for,
-        or a DTensor parameter or buffer placed unlike the one it was compiled with."""
+        a DTensor parameter or buffer placed unlike the one it was compiled with, or a
+        parameter whose `requires_grad` changed since."""
         for index, shape in self.batch_shapes.items():
             arg = args[index]
             if not isinstance(arg, torch.Tensor):
@@ -178,6 +184,12 @@ class CompiledStep:
                                  "placements `prepare` gave; to place it otherwise, prepare the model with "
                                  "other options and compile again")
             self.specs[position] = (index, name, now)  # an equal spec: checked by identity from now on
+        for index, computes_grad in self.placeholders if self.training else ():
+            if args[index].requires_grad != computes_grad:
+                name = next(i.fqn or i.name for i in self.inputs if i.arg_index == index)
+                raise PiperError(f"compiled argument {index} ({name}) has requires_grad={not computes_grad}, but "
+                                 f"this step was compiled for requires_grad={computes_grad}: the compiled model "
+                                 "compiles anew for it at its next call")
 
     def _held(self, args: Sequence[torch.Tensor], values: dict) -> dict[str, int]:
         """The memory parts held throughout a step: the storage of the parameters and
@@ -237,7 +249,22 @@ class CompiledStep:
         self.last_run.call_s = program_started - started + time.perf_counter() - program_ended
         return user_outputs, grads
 
+    def _stand_in(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """`args` with each program placeholder's parameter in its place. A placeholder follows
+        its parameter's `requires_grad` (which Dynamo guards on it), so that a change since the
+        step was compiled compiles it anew at the next call (this one rejects it,
+        `_check_arguments`)."""
+        args = list(args)
+        for index, _ in self.placeholders:
+            placeholder = args[index]
+            parameter = args[index] = stood_for(placeholder)
+            if parameter.requires_grad != placeholder.requires_grad:
+                placeholder.requires_grad_(parameter.requires_grad)
+        return args
+
     def __call__(self, *args: torch.Tensor):
+        if self.placeholders:
+            args = self._stand_in(args)
         if not self.training:
             with torch.no_grad():
                 user_outputs, _ = self.run_program(args)

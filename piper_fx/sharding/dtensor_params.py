@@ -10,14 +10,23 @@ PyTorch's `state_dict`, `torch.distributed.checkpoint` and
 
 The module keeps the parameter under its own name (`state_dict()` keys are
 the model's); reading the attribute goes through a property of a subclass of
-the module's class made for that module (as SimpleFSDP does), which turns the
-local rows into the full tensor with a marker op (`piper::unshard`,
-`piper::unshard_experts`). Dynamo traces that read as `to_local()` of the
-DTensor placeholder and the marker; `capture` drops the `to_local()` and
-traces the program with the plain padded rows (`program_tensor`): every rank's
-piece of the same size, as the all-gathers need. Each padded row buffer is
-kept with its parameter, the DTensor's local tensor a view of its first rows,
-so the program reads the very storage the optimizer updates.
+the module's class made for that module (as SimpleFSDP does,
+`read_through`). Run eagerly, the read gives the DTensor's local tensor, or
+turns the local rows into the full tensor with a marker op (`piper::unshard`,
+`piper::unshard_experts`), whose eager kernel gathers them.
+
+Under `torch.compile`, Dynamo never sees the DTensor: the read gives the
+parameter's *program placeholder* instead (`program_placeholder`), a plain
+`nn.Parameter` sharing the storage of the tensor the program computes with
+(`program_tensor`: the plain padded rows, every rank's piece of the same size,
+as the all-gathers need), through the same marker. Dynamo traces and guards a
+plain tensor, as it would an unsharded model's, where wrapping, tracing and
+guarding a DTensor parameter cost it twice as long. The compiled step then
+stands each placeholder's parameter in for it (`stood_for`): the program reads
+the parameter's current program tensor and hands its gradient to the
+parameter. Each padded row buffer is kept with its parameter, the DTensor's
+local tensor a view of its first rows, so the program reads the very storage
+the optimizer updates.
 
 Every other parameter (all of them at ZeRO-0, 0-d ones at any level, those
 that are not experts under ep) is a whole replica over dp: `prepare` makes it
@@ -28,6 +37,7 @@ optimizer, `state_dict` and `clip_grad_norm_` see every parameter's placement.
 """
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -85,9 +95,10 @@ def replicate_parameters(model: nn.Module, mesh: DeviceMesh) -> None:
         value = DTensor.from_local(original.detach(), mesh, [Replicate()], run_check=False)
         parameter = nn.Parameter(value, requires_grad=original.requires_grad)
         _REPLICATED[parameter] = True
+        placeholder = program_placeholder(parameter, holders[0][0])
         for _, module, name in holders:
             module._parameters[name] = parameter
-            read_through(module, name, lambda p: p.to_local())
+            read_through(module, name, placeholder)
 
 
 def row_sharded_parameter(padded: torch.Tensor, local_rows: int, global_shape: tuple[int, ...],
@@ -178,18 +189,88 @@ def _strides_differ(grad: torch.Tensor, like: torch.Tensor) -> bool:
     return any(size > 1 and a != b for size, a, b in zip(like.shape, grad.stride(), like.stride()))
 
 
+_STANDS_FOR = "_piper_stands_for"  # a program placeholder's attribute: the parameter it stands for
+_NAME = "_piper_name"  # and the parameter's name in the model (the first, if tied)
+
+
+def program_placeholder(parameter: nn.Parameter, name: str) -> nn.Parameter:
+    """What Dynamo traces in place of the DTensor `parameter`, named `name` in the model: a
+    plain `nn.Parameter` sharing the storage of its `program_tensor` (its shape, dtype and
+    device; no memory of its own), as trainable as the parameter, which `stood_for`
+    gives back."""
+    placeholder = nn.Parameter(program_tensor(parameter).detach(), requires_grad=parameter.requires_grad)
+    setattr(placeholder, _STANDS_FOR, parameter)
+    setattr(placeholder, _NAME, name)
+    # The piper backend hands gradients to the parameter; a gradient reaching the placeholder
+    # means another backend traced the model and would train the placeholder in its place.
+    placeholder.register_post_accumulate_grad_hook(_compiled_by_another_backend)
+    return placeholder
+
+
+def _compiled_by_another_backend(placeholder: nn.Parameter) -> None:
+    raise RuntimeError(
+        f"piper_fx: parameter {placeholder_name(placeholder)} got its gradient through the plain placeholder that "
+        "torch.compile traces in its place: a model piper_fx.prepare laid out was compiled with a backend other "
+        "than piper_fx's; compile it with backend=\"piper\" and the options given to prepare")
+
+
+def stood_for(tensor: object) -> object:
+    """The parameter `tensor` stands for if it is a program placeholder, else `tensor` itself."""
+    return getattr(tensor, _STANDS_FOR, tensor)
+
+
+def placeholder_name(tensor: object) -> str | None:
+    """The model's name for the parameter `tensor` stands for, if it is a program placeholder."""
+    return getattr(tensor, _NAME, None)
+
+
+class _Placeholders(dict):
+    """A module's program placeholders, by parameter name. A deep copy of the module gets
+    placeholders of the copies of their parameters (tied ones still shared), not copies
+    that would stand for the original's."""
+
+    def __deepcopy__(self, memo: dict) -> "_Placeholders":
+        copied = type(self)()
+        for name, placeholder in self.items():
+            if id(placeholder) not in memo:
+                memo[id(placeholder)] = program_placeholder(copy.deepcopy(stood_for(placeholder), memo),
+                                                            placeholder_name(placeholder))
+            copied[name] = memo[id(placeholder)]
+        return copied
+
+
 _OWN_CLASS = "_piper_reads_through"  # marks the class `read_through` made for one module
+_PLACEHOLDERS = "_piper_program_placeholders"  # a module's `_Placeholders`
 
 
-def read_through(module: nn.Module, name: str, read: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Make reading `module.<name>` return `read(the parameter)`, the parameter staying
+def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
+                 read: Callable[[torch.Tensor], torch.Tensor] = lambda local: local) -> None:
+    """Make reading `module.<name>` return `read(the parameter's local tensor)` eagerly, and
+    `read(placeholder)` (its `program_placeholder`) under `torch.compile`, the parameter staying
     registered under `name` (so `named_parameters` and `state_dict` keep their keys).
 
     A property on a subclass of the module's class made for this module alone (its
-    `__class__` is swapped once); `read` runs eagerly and under Dynamo alike.
+    `__class__` is swapped once). A parameter registered anew under `name` (e.g.
+    `load_state_dict(..., assign=True)`) drops the placeholder: the new one is read itself.
     """
     cls = type(module)
     if not getattr(cls, _OWN_CLASS, False):
-        cls = type(cls.__name__, (cls,), {_OWN_CLASS: True, "__module__": cls.__module__})
+        cls = type(cls.__name__, (cls,), {_OWN_CLASS: True, "__module__": cls.__module__,
+                                          "register_parameter": _register_parameter})
         module.__class__ = cls
-    setattr(cls, name, property(lambda self: read(self._parameters[name])))
+        setattr(module, _PLACEHOLDERS, _Placeholders())
+    getattr(module, _PLACEHOLDERS)[name] = placeholder
+
+    def get(self):
+        if torch.compiler.is_compiling():
+            stand_in = getattr(self, _PLACEHOLDERS).get(name)
+            if stand_in is not None:
+                return read(stand_in)
+        return read(self._parameters[name].to_local())
+
+    setattr(cls, name, property(get))
+
+
+def _register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    getattr(self, _PLACEHOLDERS).pop(name, None)
+    type(self).__mro__[1].register_parameter(self, name, param)  # the module's own class

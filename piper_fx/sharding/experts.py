@@ -19,7 +19,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .dtensor_params import read_through
+from .dtensor_params import program_placeholder, read_through
 from .row_shard import INFO_ATTR, RowShardLayout, ShardedParameter, define_row_markers
 
 EXPERT_ATTR = "_piper_expert"
@@ -68,5 +68,5 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> None:
         setattr(shard, INFO_ATTR, ShardedParameter((fqn,), layout, group_name, mesh_dim="ep"))
         module._parameters[name] = shard
         full_shape = list(layout.full_shape)
-        read_through(module, name, lambda block, full_shape=full_shape: UNSHARD_EXPERTS(block.to_local(), full_shape,
-                                                                                         group_name))
+        read_through(module, name, program_placeholder(shard, fqn),
+                     lambda block, full_shape=full_shape: UNSHARD_EXPERTS(block, full_shape, group_name))

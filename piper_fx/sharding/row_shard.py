@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..collectives import lowering
 from ..compat import resolve_process_group
-from .dtensor_params import parameter_owners, read_through, row_sharded_parameter
+from .dtensor_params import parameter_owners, program_placeholder, read_through, row_sharded_parameter
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,8 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, keep: Callable[[nn.Para
         shard = layout.parameter(original.detach(), mesh, original.requires_grad)
         setattr(shard, INFO_ATTR, ShardedParameter(tuple(fqn for fqn, _, _ in holders), layout, group_name))
         full_shape = list(layout.full_shape)
+        placeholder = program_placeholder(shard, holders[0][0])
         for _, module, name in holders:
             module._parameters[name] = shard
-            read_through(module, name, lambda p, full_shape=full_shape: UNSHARD(p.to_local(), full_shape, group_name))
+            read_through(module, name, placeholder,
+                         lambda rows, full_shape=full_shape: UNSHARD(rows, full_shape, group_name))

@@ -1,0 +1,25 @@
+"""Dynamo traces a prepared model's parameters as plain program placeholders (`dtensor_params`)."""
+import re
+
+from ranks import run_ranks
+from training import program_placeholders_worker
+
+
+def test_placeholders_stand_for_the_parameters_and_follow_what_becomes_of_them():
+    for rank, by_zero in enumerate(run_ranks(program_placeholders_worker, 2, deadline_s=300)):
+        for zero, result in by_zero.items():
+            where = (rank, zero)
+            assert result["stands_for_its_parameter"] and result["placeholder_is_plain"], (where, result)
+            assert result["tied_share_one"] and result["copy_tied_share_one"], (where, result)
+            frozen = result["frozen_call"]
+            assert frozen["type"] == "PiperError", (where, frozen)
+            assert "(blocks.0.mlp.fc.weight) has requires_grad=False" in frozen["message"], (where, frozen)
+            assert "compiled for requires_grad=True" in frozen["message"], (where, frozen)
+            assert result["after_frozen_call"]["type"] is None, (where, result["after_frozen_call"])
+            assert result["frozen_grad_is_none"] and result["others_have_grads"], (where, result)
+            assert result["copy_stands_for_copy"], (where, result)
+            assert result["registered_anew_dropped"], (where, result)
+            other = result["other_backend"]
+            assert other["type"] is not None, (where, other)
+            assert re.search(r"piper_fx: parameter \S+ got its gradient through the plain placeholder",
+                             other["message"]), (where, other)
