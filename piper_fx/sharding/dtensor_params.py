@@ -37,7 +37,7 @@ optimizer, `state_dict` and `clip_grad_norm_` see every parameter's placement.
 """
 from __future__ import annotations
 
-import copy
+import weakref
 from typing import Callable
 
 import torch
@@ -189,21 +189,26 @@ def _strides_differ(grad: torch.Tensor, like: torch.Tensor) -> bool:
     return any(size > 1 and a != b for size, a, b in zip(like.shape, grad.stride(), like.stride()))
 
 
-_STANDS_FOR = "_piper_stands_for"  # a program placeholder's attribute: the parameter it stands for
+_STANDS_FOR = "_piper_stands_for"  # a program placeholder's attribute: a weak reference to its parameter
 _NAME = "_piper_name"  # and the parameter's name in the model (the first, if tied)
+# Each parameter's program placeholder, one per parameter (the placeholder refers to it weakly).
+_PLACEHOLDER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def program_placeholder(parameter: nn.Parameter, name: str) -> nn.Parameter:
-    """What Dynamo traces in place of the DTensor `parameter`, named `name` in the model: a
-    plain `nn.Parameter` sharing the storage of its `program_tensor` (its shape, dtype and
-    device; no memory of its own), as trainable as the parameter, which `stood_for`
-    gives back."""
-    placeholder = nn.Parameter(program_tensor(parameter).detach(), requires_grad=parameter.requires_grad)
-    setattr(placeholder, _STANDS_FOR, parameter)
-    setattr(placeholder, _NAME, name)
-    # The piper backend hands gradients to the parameter; a gradient reaching the placeholder
-    # means another backend traced the model and would train the placeholder in its place.
-    placeholder.register_post_accumulate_grad_hook(_compiled_by_another_backend)
+    """What Dynamo traces in place of the DTensor `parameter`, named `name` in the model (made
+    on the first call, the same one after): a plain `nn.Parameter` sharing the storage of its
+    `program_tensor` (its shape, dtype and device; no memory of its own), as trainable as the
+    parameter, which `stood_for` gives back."""
+    placeholder = _PLACEHOLDER_OF.get(parameter)
+    if placeholder is None:
+        placeholder = nn.Parameter(program_tensor(parameter).detach(), requires_grad=parameter.requires_grad)
+        setattr(placeholder, _STANDS_FOR, weakref.ref(parameter))
+        setattr(placeholder, _NAME, name)
+        # The piper backend hands gradients to the parameter; a gradient reaching the placeholder
+        # means another backend traced the model and would train the placeholder in its place.
+        placeholder.register_post_accumulate_grad_hook(_compiled_by_another_backend)
+        _PLACEHOLDER_OF[parameter] = placeholder
     return placeholder
 
 
@@ -216,7 +221,8 @@ def _compiled_by_another_backend(placeholder: nn.Parameter) -> None:
 
 def stood_for(tensor: object) -> object:
     """The parameter `tensor` stands for if it is a program placeholder, else `tensor` itself."""
-    return getattr(tensor, _STANDS_FOR, tensor)
+    parameter = getattr(tensor, _STANDS_FOR, None)
+    return tensor if parameter is None else parameter()
 
 
 def placeholder_name(tensor: object) -> str | None:
@@ -224,23 +230,8 @@ def placeholder_name(tensor: object) -> str | None:
     return getattr(tensor, _NAME, None)
 
 
-class _Placeholders(dict):
-    """A module's program placeholders, by parameter name. A deep copy of the module gets
-    placeholders of the copies of their parameters (tied ones still shared), not copies
-    that would stand for the original's."""
-
-    def __deepcopy__(self, memo: dict) -> "_Placeholders":
-        copied = type(self)()
-        for name, placeholder in self.items():
-            if id(placeholder) not in memo:
-                memo[id(placeholder)] = program_placeholder(copy.deepcopy(stood_for(placeholder), memo),
-                                                            placeholder_name(placeholder))
-            copied[name] = memo[id(placeholder)]
-        return copied
-
-
 _OWN_CLASS = "_piper_reads_through"  # marks the class `read_through` made for one module
-_PLACEHOLDERS = "_piper_program_placeholders"  # a module's `_Placeholders`
+_PLACEHOLDERS = "_piper_program_placeholders"  # a module's placeholders by parameter name (a plain dict)
 
 
 def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
@@ -250,27 +241,44 @@ def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
     registered under `name` (so `named_parameters` and `state_dict` keep their keys).
 
     A property on a subclass of the module's class made for this module alone (its
-    `__class__` is swapped once). A parameter registered anew under `name` (e.g.
-    `load_state_dict(..., assign=True)`) drops the placeholder: the new one is read itself.
+    `__class__` is swapped once). The module keeps its placeholders in a plain dict, which
+    Dynamo reads and guards at the cost of its dict-tag checks. A parameter registered anew
+    under `name` (e.g. `load_state_dict(..., assign=True)`) drops its placeholder: the new
+    one is read itself. A copy of the module (`copy.deepcopy`) gets the placeholders of its
+    own parameters, not copies of the original's.
     """
     cls = type(module)
     if not getattr(cls, _OWN_CLASS, False):
         cls = type(cls.__name__, (cls,), {_OWN_CLASS: True, "__module__": cls.__module__,
-                                          "register_parameter": _register_parameter})
+                                          "register_parameter": _register_parameter,
+                                          "__getstate__": _getstate, "__setstate__": _setstate})
         module.__class__ = cls
-        setattr(module, _PLACEHOLDERS, _Placeholders())
-    getattr(module, _PLACEHOLDERS)[name] = placeholder
+        module.__dict__[_PLACEHOLDERS] = {}
+    module.__dict__[_PLACEHOLDERS][name] = placeholder
 
     def get(self):
-        if torch.compiler.is_compiling():
-            stand_in = getattr(self, _PLACEHOLDERS).get(name)
-            if stand_in is not None:
-                return read(stand_in)
+        if torch.compiler.is_compiling() and name in self._piper_program_placeholders:
+            return read(self._piper_program_placeholders[name])
         return read(self._parameters[name].to_local())
 
     setattr(cls, name, property(get))
 
 
 def _register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    getattr(self, _PLACEHOLDERS).pop(name, None)
+    self.__dict__[_PLACEHOLDERS].pop(name, None)
     type(self).__mro__[1].register_parameter(self, name, param)  # the module's own class
+
+
+def _getstate(self: nn.Module) -> dict:
+    state = type(self).__mro__[1].__getstate__(self)
+    # Not the placeholders, which stand for these very parameters: their names, to make
+    # those of the parameters the state's new module holds.
+    state[_PLACEHOLDERS] = {name: placeholder_name(p) for name, p in state[_PLACEHOLDERS].items()}
+    return state
+
+
+def _setstate(self: nn.Module, state: dict) -> None:
+    names = state.pop(_PLACEHOLDERS)
+    type(self).__mro__[1].__setstate__(self, state)
+    self.__dict__[_PLACEHOLDERS] = {name: program_placeholder(self._parameters[name], fqn)
+                                    for name, fqn in names.items()}
