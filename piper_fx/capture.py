@@ -115,11 +115,11 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
 
 def _read_as_program_tensor(node: fx.Node, parameter: torch.Tensor, index: int, read_directly: bool) -> nn.Parameter:
     """Make the graph read the DTensor parameter `parameter` (placeholder `node`) as the plain
-    tensor the program computes with (`dtensor_params.program_tensor`). Dynamo traced it so
-    where the model read it through its program placeholder; where it read the parameter
-    itself (one registered anew after `prepare`), its `to_local()` reads become the
-    placeholder. Returns the example to trace it with, a plain `nn.Parameter` carrying
-    what piper_fx knows of the parameter."""
+    tensor the program computes with (`dtensor_params.program_tensor`). Where the model read
+    it through its program placeholder, Dynamo traced that plain tensor already; where it
+    read the parameter itself (`read_directly`: one registered anew in a module after
+    `prepare`), its `to_local()` reads become the placeholder. Returns the example to trace
+    it with, a plain `nn.Parameter` carrying what piper_fx knows of the parameter."""
     if sharded_parameter_info(parameter) is None and not is_replicated_parameter(parameter):
         raise PiperError(f"compiled argument {index} is a DTensor that piper_fx.prepare did not make; piper_fx "
                          "places the model's parameters itself: pass plain tensors and parameters")

@@ -20,8 +20,9 @@ parameter's *program placeholder* instead (`program_placeholder`), a plain
 `nn.Parameter` sharing the storage of the tensor the program computes with
 (`program_tensor`: the plain padded rows, every rank's piece of the same size,
 as the all-gathers need), through the same marker. Dynamo traces and guards a
-plain tensor, as it would an unsharded model's, where wrapping, tracing and
-guarding a DTensor parameter cost it twice as long. The compiled step then
+plain tensor, as it would an unsharded model's parameter, in C++ and with no
+guard on a placement (whose Python guards on DTensors the backend had to
+remove from Dynamo's internals). The compiled step then
 stands each placeholder's parameter in for it (`stood_for`): the program reads
 the parameter's current program tensor and hands its gradient to the
 parameter. Each padded row buffer is kept with its parameter, the DTensor's
@@ -242,7 +243,8 @@ def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
 
     A property on a subclass of the module's class made for this module alone (its
     `__class__` is swapped once). The module keeps its placeholders in a plain dict, which
-    Dynamo reads and guards at the cost of its dict-tag checks. A parameter registered anew
+    Dynamo traces as a module's own attribute (a dict subclass, traced as a user object,
+    made its trace slower than the DTensors' had been). A parameter registered anew
     under `name` (e.g. `load_state_dict(..., assign=True)`) drops its placeholder: the new
     one is read itself. A copy of the module (`copy.deepcopy`) gets the placeholders of its
     own parameters, not copies of the original's.
@@ -256,7 +258,7 @@ def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
         module.__dict__[_PLACEHOLDERS] = {}
     module.__dict__[_PLACEHOLDERS][name] = placeholder
 
-    def get(self):
+    def get(self):  # `_piper_program_placeholders` is `_PLACEHOLDERS`, spelled out for Dynamo to trace
         if torch.compiler.is_compiling() and name in self._piper_program_placeholders:
             return read(self._piper_program_placeholders[name])
         return read(self._parameters[name].to_local())
@@ -278,7 +280,7 @@ def _getstate(self: nn.Module) -> dict:
 
 
 def _setstate(self: nn.Module, state: dict) -> None:
-    names = state.pop(_PLACEHOLDERS)
+    names = state.pop(_PLACEHOLDERS, {})
     type(self).__mro__[1].__setstate__(self, state)
     self.__dict__[_PLACEHOLDERS] = {name: program_placeholder(self._parameters[name], fqn)
                                     for name, fqn in names.items()}
