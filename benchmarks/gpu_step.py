@@ -28,6 +28,7 @@ own cost there. A measurement, not a test: nothing here asserts a time.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -43,6 +44,31 @@ sys.path.insert(0, str(ROOT))
 SIDES = ("torch_compile", "piper_inductor", "piper_eager")
 WARMUP = 10
 PHASES = ("call", "backward", "optimizer", "zero_grad")
+
+
+class _GcTimes:
+    """The garbage collector's collections while active, per generation: (count, seconds). A
+    host-bound step pays them, and a full collection's cost grows with every object the
+    process keeps (compiled graphs, plans), so a side's rounds can be slower than its median step."""
+
+    def __init__(self) -> None:
+        self.times = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            entry = self.times[info["generation"]]
+            entry[0] += 1
+            entry[1] += time.perf_counter() - self._started
+
+    def __enter__(self) -> "_GcTimes":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def _side(side: str, args: argparse.Namespace):
@@ -101,25 +127,36 @@ def _same_process(args: argparse.Namespace) -> int:
 
     sides = args.sides.split(",")
     steps = {side: _side(side, args) for side in sides}
+    # Every side trains its own copy of the same model on the same batches in the same order:
+    # their losses agree to fp32 tolerance over the warm-up steps (and drift apart later, if
+    # the training is chaotic, by as little as the kernels' summation orders differ).
+    losses: dict[str, list[float]] = {}
     for side, (train_step, sync) in steps.items():
-        for i in range(WARMUP):
-            train_step(i)
+        losses[side] = [train_step(i).item() for i in range(WARMUP)]
         sync()
     rounds: dict[str, list[float]] = {side: [] for side in sides}
     phases: dict[str, list] = {side: [] for side in sides}
+    collections = {side: _GcTimes() for side in sides}  # those that ran during each side's rounds
     for r in range(args.rounds):
         for side in (sides if r % 2 == 0 else sides[::-1]):
             train_step, sync = steps[side]
             sync()
-            start = time.perf_counter()
-            for i in range(args.steps):
-                train_step(WARMUP + i, phases[side])
-            sync()
-            rounds[side].append((time.perf_counter() - start) / args.steps)
+            with collections[side]:
+                start = time.perf_counter()
+                for i in range(args.steps):
+                    train_step(WARMUP + i, phases[side])
+                sync()
+                rounds[side].append((time.perf_counter() - start) / args.steps)
+    final = {side: train_step(WARMUP + args.steps).item() for side, (train_step, _) in steps.items()}
     name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"torch {torch.__version__}, {args.device} ({name}), world 1, GPT {args.n_layer}x{args.width}, "
           f"{args.rows} x {args.block} tokens, AdamW; one process, {args.rounds} alternating rounds of "
           f"{args.steps} steps per side")
+    first = sides[0]
+    for side in sides:
+        drift = max(abs(a - b) / abs(b) for a, b in zip(losses[side], losses[first]))
+        print(f"{side}: losses of the {WARMUP} warm-up steps {losses[side][0]:.6f} .. {losses[side][-1]:.6f} "
+              f"(largest relative difference to {first}'s: {drift:.2e}); after every round: {final[side]:.6f}")
     # Beside each round's mean step, the median step's host time (the phases' sum): on a CPU,
     # where the host's time is the step's, it is robust to the bursts of load that move a
     # round's mean; on a GPU the rounds' time is the step's.
@@ -134,6 +171,9 @@ def _same_process(args: argparse.Namespace) -> int:
         print(f"{side:16s} {step[side] * 1e3:8.3f} {spread:7.1%} {ratios[0]:8.3f} {host[side] * 1e3:8.3f} "
               f"{ratios[1]:8.3f} " + "".join(f"{statistics.median(p[k] for p in phases[side]) * 1e3:15.3f}"
                                             for k in range(len(PHASES))))
+    print(f"{len(gc.get_objects())} objects tracked; garbage collections during each side's rounds (count, ms): "
+          + "; ".join(f"{side} " + ", ".join(f"gen{g} {n} {t * 1e3:.1f}" for g, (n, t) in collections[side].times.items())
+                      for side in sides))
     return 0
 
 
@@ -153,16 +193,20 @@ def _worker(args: argparse.Namespace) -> dict:
         train_step(i)
     sync()
     rounds, phases, i = [], [], WARMUP
-    for _ in range(args.rounds):
-        sync()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            train_step(i, phases)
-            i += 1
-        sync()
-        rounds.append((time.perf_counter() - start) / args.steps)
+    with _GcTimes() as collections:
+        for _ in range(args.rounds):
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                train_step(i, phases)
+                i += 1
+            sync()
+            rounds.append((time.perf_counter() - start) / args.steps)
     result["rounds_s"] = rounds
     result["host_s"] = {phase: statistics.median(p[k] for p in phases) for k, phase in enumerate(PHASES)}
+    result["host_step_s"] = {"median": statistics.median(map(sum, phases)), "mean": statistics.mean(map(sum, phases)),
+                             "max": max(map(sum, phases))}
+    result["gc"] = {"objects": len(gc.get_objects()), "collections": {f"gen{g}": v for g, v in collections.times.items()}}
     loss = train_step(i)
     result["loss"] = loss.item()
     if args.side.startswith("piper"):
@@ -244,6 +288,15 @@ def main() -> int:
               f"{results[1]['compile_s']:7.1f} " + "".join(f"{host[p] * 1e3:14.3f}" for p in PHASES)
               + f" {results[-1]['loss']:8.4f}")
     for side, results in runs.items():
+        for r in results:
+            if "error" in r:
+                continue
+            host, collected = r["host_step_s"], r["gc"]
+            print(f"{side} rounds ms: " + ", ".join(f"{t * 1e3:.2f}" for t in r["rounds_s"])
+                  + f"; host step ms: median {host['median'] * 1e3:.3f}, mean {host['mean'] * 1e3:.3f}, "
+                  f"max {host['max'] * 1e3:.1f}; garbage collections over the rounds (count, ms): "
+                  + ", ".join(f"{g} {n} {t * 1e3:.1f}" for g, (n, t) in collected["collections"].items())
+                  + f"; {collected['objects']} objects tracked")
         for r in results:
             if "piper" in r:
                 print(f"{side} last_step_stats: " + ", ".join(
