@@ -20,6 +20,7 @@ Each option maps onto the pass that consumes it:
 |              | passes.reduce_gradients (reductions in reduce_dtype)     |
 | activation_checkpointing | passes.checkpoint_activations            |
 | codegen      | capture (decompositions), codegen                        |
+| regions      | codegen (tasks compiled whole or as their layers)        |
 | profile      | codegen (collective waits timed inside tasks)            |
 | debug_dir    | debug (dumps); env PIPER_DEBUG_DIR when not given        |
 
@@ -42,7 +43,7 @@ ZERO_LEVELS = (0, 1, 2, 3)
 CODEGENS = ("inductor", "eager")
 MESH_DIMS = ("pp", "dp", "ep")
 TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "overlap", "prefetch", "units", "mixed_precision",
-                  "activation_checkpointing", "codegen", "profile", "debug_dir", "pipeline", "directives")
+                  "activation_checkpointing", "codegen", "regions", "profile", "debug_dir", "pipeline", "directives")
 PIPELINE_KEYS = ("schedule", "microbatches", "stages_per_rank")
 MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
 FLOATING_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -87,6 +88,9 @@ class Strategy:
     # (also keep matmul and attention outputs); see passes.checkpoint_activations.
     activation_checkpointing: str = "none"
     codegen: str = "inductor"
+    # Under Inductor, whether a task of repeated layers compiles as one region per layer, each
+    # distinct one once (True), whole (False), or by the device ("auto"; `codegen.cuts_regions`).
+    regions: str | bool = "auto"
     profile: bool = False
     debug_dir: str | None = None
     world_size: int = 1
@@ -128,8 +132,8 @@ class Strategy:
         schedule = self.schedule if isinstance(self.schedule, str) else (
             self.schedule.name, self.schedule.stage_to_rank, tuple(tuple(map(str, row)) for row in self.schedule.actions))
         return (self.dp, self.pp, self.ep, self.zero, self.bucket_mb, self.overlap, self.prefetch, self.units,
-                self.mixed_precision, self.activation_checkpointing, self.codegen, schedule, self.microbatches,
-                self.stages_per_rank)
+                self.mixed_precision, self.activation_checkpointing, self.codegen, self.regions, schedule,
+                self.microbatches, self.stages_per_rank)
 
 
 def _is_int(value: Any) -> bool:
@@ -280,10 +284,13 @@ def _parse_codegen(options: Mapping[str, Any]) -> dict[str, Any]:
     codegen = options.get("codegen", "inductor")
     if codegen not in CODEGENS:
         raise PiperConfigError("codegen", codegen, f"one of {list(CODEGENS)}")
+    regions = options.get("regions", "auto")
+    if not (isinstance(regions, bool) or regions == "auto"):
+        raise PiperConfigError("regions", regions, "'auto', True or False")
     profile = options.get("profile", False)
     if not isinstance(profile, bool):
         raise PiperConfigError("profile", profile, "True or False")
-    return {"codegen": codegen, "profile": profile}
+    return {"codegen": codegen, "regions": regions, "profile": profile}
 
 
 def _parse_debug_dir(options: Mapping[str, Any]) -> dict[str, Any]:

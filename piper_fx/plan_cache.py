@@ -215,7 +215,9 @@ def _add_all(add, gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
     # Global state tracing reads: whether the step trains, and autocast's (on CPU and GPU).
     add(f"grad {torch.is_grad_enabled()} " + " ".join(
         f"autocast {d} {torch.is_autocast_enabled(d)} {torch.get_autocast_dtype(d)}" for d in ("cpu", "cuda")))
-    options = {f.name: getattr(strategy, f.name) for f in fields(strategy) if f.name not in ("debug_dir", "profile")}
+    # Every option but those the plan does not depend on (code generation reads `profile` and `regions`).
+    unplanned = ("debug_dir", "profile", "regions")
+    options = {f.name: getattr(strategy, f.name) for f in fields(strategy) if f.name not in unplanned}
     add(repr(sorted(options.items())))
     add(repr(groups))
     add(repr([_group_backend(name) for name in groups]))  # planning reads them too

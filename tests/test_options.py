@@ -20,6 +20,8 @@ from ranks import RankFailed, run_ranks, run_ranks_collect
     ({"bucket_mb": "25"}, "bucket_mb"),
     ({"overlap": "yes"}, "overlap"),
     ({"profile": 1}, "profile"),
+    ({"regions": 1}, "regions"),
+    ({"regions": "layers"}, "regions"),
     ({"prefetch": -1}, "prefetch"),
     ({"prefetch": 1.5}, "prefetch"),
     ({"debug_dir": 3}, "debug_dir"),
@@ -106,7 +108,18 @@ def test_launched_world_without_process_group_is_an_error():
 
 def test_defaults_at_world_size_one():
     s = parse_options(None)
-    assert (s.dp, s.pp, s.zero, s.codegen, s.bucket_mb, s.world_size) == (1, 1, 0, "inductor", 25.0, 1)
+    assert (s.dp, s.pp, s.zero, s.codegen, s.regions, s.bucket_mb, s.world_size) == (
+        1, 1, 0, "inductor", "auto", 25.0, 1)
+
+
+def test_regions_are_cut_as_the_option_says_and_by_default_on_a_cpu_only():
+    from piper_fx.codegen import cuts_regions
+    for device in ("cpu", "cuda", "meta", None):
+        device = torch.device(device) if device else None
+        assert cuts_regions(True, device) and not cuts_regions(False, device)
+    assert cuts_regions("auto", torch.device("cpu")) and cuts_regions("auto", None)
+    assert not cuts_regions("auto", torch.device("cuda", 1)) and not cuts_regions("auto", torch.device("xpu"))
+    assert parse_options({"regions": False}).regions is False
 
 
 def test_bad_option_raised_from_compiled_call_unwrapped():

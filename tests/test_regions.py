@@ -1,5 +1,6 @@
 """Regions: a task cut between the layers it runs, each distinct region compiled once."""
 
+import pytest
 import torch
 import torch.fx as fx
 
@@ -81,3 +82,33 @@ def test_a_task_whose_regions_all_differ_is_compiled_whole():
             node.meta["val"] = node.target(*[a.meta["val"] for a in node.args])
     keys = [r.key for r in regions.cut(gm).regions]  # layers 0 and 2 alike, layer 1's weight laid out apart
     assert keys[0] == keys[2] != keys[1]
+
+
+@pytest.mark.parametrize("setting, cut", [(True, True), (False, False), ("auto", True)])  # "auto": a CPU cuts
+def test_the_option_regions_decides_whether_a_task_compiles_as_its_layers(setting, cut, monkeypatch):
+    """Code generation under Inductor, each unit's compile swapped for eager code generation
+    (what is tested is which units there are, not Inductor's C++): with regions, a 4-layer
+    GPT's tasks are cut and their middle layers' code repeats; without, every task is one
+    unit. The step trains as the model does either way."""
+    from examples.gpt import GPT, GPTConfig
+    from training import SMALL, global_batch
+
+    import piper_fx
+    from piper_fx.codegen import eager, inductor
+
+    monkeypatch.setattr(inductor, "compile_task", lambda unit: eager.compile_task(unit))
+    cfg = GPTConfig(**{**SMALL, "n_layer": 4})
+    torch.manual_seed(0)
+    model, reference = GPT(cfg), GPT(cfg)
+    reference.load_state_dict(model.state_dict())
+    step = torch.compile(model, backend="piper", options={"regions": setting})
+    x, y = global_batch(0, 4, cfg)
+    loss = step(x, y)
+    loss.backward()
+    expected = reference(x, y)
+    expected.backward()
+    stats = piper_fx.last_compile_stats()
+    assert (stats["tasks"].get("repeated", 0) > 0) == cut, stats["tasks"]
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -16,7 +16,8 @@ stays with the first. So every layer's region runs what the layer's compute
 needs issued alongside it, and the middle layers' regions are the same code.
 
 A task is cut only where that pays: when at least two of its regions are the
-same code. Values cross regions through the runner's slots, each dropped after
+same code, and where the option `regions` has tasks cut (by default on a CPU, not
+on an accelerator: `codegen.cuts_regions`). Values cross regions through the runner's slots, each dropped after
 the last region that reads it, and a region's inputs are handed over boxed, so
 the region frees them at their last use inside it, as the whole task's code would.
 A cut that would carry anything but a tensor across (a multi-output op's tuple)
