@@ -293,12 +293,18 @@ class _StepFunction(torch.autograd.Function):
             raise RuntimeError("piper_fx: backward through the same compiled step twice; "
                                "the step's gradients were already delivered")
         # Scaled in place, in one foreach op: the program's gradients are the runtime's own,
-        # and a copy of every one would be held beside it.
-        if grads:
+        # and a copy of every one would be held beside it. By 1 (`loss.backward()`'s seed) they
+        # are not scaled where reading the seed costs nothing (on the host; on a device the read
+        # would wait for its queue).
+        if grads and not _is_one_on_host(loss_seed):
             torch._foreach_mul_(list(grads.values()), loss_seed)
         handed = (None, *_hand_over(args, grads, ctx.next_functions))
         ctx.run.hand_over_s += time.perf_counter() - started
         return handed
+
+
+def _is_one_on_host(seed: torch.Tensor) -> bool:
+    return seed.device.type == "cpu" and seed.numel() == 1 and seed.item() == 1.0
 
 
 def _hand_over(args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
