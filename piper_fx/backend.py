@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from . import plan_cache
 from .capture import capture
-from .codegen import compile_program, cuts_regions, prepare, warm_up
+from .codegen import compile_program, fewest_regions, prepare, warm_up
 from .compat import dynamo_trace_seconds
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
@@ -177,7 +177,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     dump.write("schedule.txt", text_grid(planned.schedule))
     dump.write("schedule.svg", svg(planned.schedule))
     compiled = compile_program(program, strategy.codegen, dump, stats, time_waits=strategy.profile, warmed=warming,
-                               cut_regions=cuts_regions(strategy.regions, device))
+                               fewest=fewest_regions(strategy.regions, device))
     dump.write("compile_stats.txt", stats.render())
     record(stats)
 

@@ -89,7 +89,7 @@ class Strategy:
     activation_checkpointing: str = "none"
     codegen: str = "inductor"
     # Under Inductor, whether a task of repeated layers compiles as one region per layer, each
-    # distinct one once (True), whole (False), or by the device ("auto"; `codegen.cuts_regions`).
+    # distinct one once (True), whole (False), or by the device ("auto"; `codegen.fewest_regions`).
     regions: str | bool = "auto"
     profile: bool = False
     debug_dir: str | None = None

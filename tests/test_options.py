@@ -112,13 +112,13 @@ def test_defaults_at_world_size_one():
         1, 1, 0, "inductor", "auto", 25.0, 1)
 
 
-def test_regions_are_cut_as_the_option_says_and_by_default_on_a_cpu_only():
-    from piper_fx.codegen import cuts_regions
+def test_regions_are_cut_as_the_option_says_and_by_default_on_a_cpu_or_in_a_deep_model():
+    from piper_fx.codegen import DEEP, fewest_regions, regions
     for device in ("cpu", "cuda", "meta", None):
         device = torch.device(device) if device else None
-        assert cuts_regions(True, device) and not cuts_regions(False, device)
-    assert cuts_regions("auto", torch.device("cpu")) and cuts_regions("auto", None)
-    assert not cuts_regions("auto", torch.device("cuda", 1)) and not cuts_regions("auto", torch.device("xpu"))
+        assert fewest_regions(True, device) == regions.FEWEST and fewest_regions(False, device) is None
+    assert fewest_regions("auto", torch.device("cpu")) == fewest_regions("auto", None) == regions.FEWEST
+    assert fewest_regions("auto", torch.device("cuda", 1)) == fewest_regions("auto", torch.device("xpu")) == DEEP > 4
     assert parse_options({"regions": False}).regions is False
 
 

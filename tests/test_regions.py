@@ -72,6 +72,12 @@ def test_each_value_crossing_regions_is_dropped_after_the_last_region_that_reads
     assert 0 in cut.regions[0].last_read
 
 
+def test_a_task_of_fewer_regions_than_asked_is_compiled_whole():
+    assert regions.cut(_layered(4), fewest=5) is None
+    assert len(regions.cut(_layered(5), fewest=5).regions) == 5
+    assert regions.cut(_layered(2, head=False), fewest=0) is None  # never fewer than FEWEST
+
+
 def test_a_task_whose_regions_all_differ_is_compiled_whole():
     gm = _layered(2, head=True)  # two regions, one with the head: nothing repeats
     assert regions.cut(gm) is None

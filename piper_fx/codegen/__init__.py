@@ -4,7 +4,7 @@ A compiled task takes a list of input tensors (which it may clear, so inputs
 die at their last use inside the task) and returns a sequence of outputs.
 `eager` runs the FX graph's Python code; `inductor` compiles it with
 `compile_fx_inner` (C++ on CPU, Triton on CUDA), whole or as the layers it runs
-(`regions`: each distinct layer's code once; `cuts_regions` says which);
+(`regions`: each distinct layer's code once; `fewest_regions` says which);
 collectives stay inside the
 compiled graphs as functional collectives. With `time_waits` (option
 `profile`), the waits of those collectives are timed as exposed communication
@@ -31,19 +31,27 @@ def warm_up(codegen: str, device: torch.device | None) -> inductor.WarmUp | None
     return inductor.WarmUp(device) if codegen == "inductor" else None
 
 
-def cuts_regions(setting: str | bool, device: torch.device | None) -> bool:
-    """Whether Inductor compiles a task of repeated layers as its regions (`regions`), given
-    the option `regions` and the model's device. True or False: as the option says. "auto":
-    on a CPU, yes: compile time goes to the C++ code of each graph, and regions compile each
-    distinct layer once (the middle layers of a deep model cost nothing more). On an
-    accelerator, no: there a region is a call of its own to the host, which is what a step
-    of small, fast kernels waits on, and the tasks are whole as in `torch.compile(model)`.
-    (On an H200, one process, rounds alternating: the example GPT of 4 layers, width 256,
-    8 x 128 tokens, took 7.22 ms a step compiled as regions and 6.63 whole, against 6.34
-    for `torch.compile`; the host's time in the call, 5.42 against 4.76 ms.)"""
-    if isinstance(setting, bool):
-        return setting
-    return device is None or device.type in ("cpu", "meta")
+# Under `regions` "auto" on an accelerator, the fewest layers (regions) a task is cut into.
+DEEP = 8
+
+
+def fewest_regions(setting: str | bool, device: torch.device | None) -> int | None:
+    """The fewest regions Inductor cuts a task of repeated layers into (`regions.cut`), or
+    None: every task whole; from the option `regions` and the model's device. True: every
+    task whose layers repeat is cut. False: none is. "auto": on a CPU, as True: compile time
+    goes to each graph's C++ code, and regions compile each distinct layer once. On an
+    accelerator, only a task of `DEEP` layers or more: there each region is a call of its
+    own to the host, which a step of small, fast kernels waits on, while a deep model's
+    compile time grows with its layers, and its step is the device's. (On an H200, one
+    process, rounds alternating: the example GPT of 4 layers, width 256, 8 x 128 tokens,
+    took 7.22 ms a step cut and 6.63 whole, against 6.34 for `torch.compile`, the host's
+    time in the call 5.42 against 4.76 ms; 8 layers of width 512 and 16 x 512 tokens, cut,
+    took 34.32 ms against `torch.compile`'s 34.03.)"""
+    if setting is False:
+        return None
+    if setting is True or device is None or device.type in ("cpu", "meta"):
+        return regions.FEWEST
+    return DEEP
 
 
 def prepare(program: RankProgram, codegen: str) -> None:
@@ -58,12 +66,12 @@ def prepare(program: RankProgram, codegen: str) -> None:
 
 def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: CompileStats,
                     time_waits: bool = False, warmed: inductor.WarmUp | None = None,
-                    cut_regions: bool = True) -> dict[str, CompiledTask]:
+                    fewest: int | None = regions.FEWEST) -> dict[str, CompiledTask]:
     """Each task of `program` (`prepare`d for `codegen`), compiled; its time and how its code
     was obtained go into `stats`. Under Inductor, collective: every rank compiles its program
-    at once (`shared`), each task whole or, with `cut_regions` (`cuts_regions`), as its
-    regions (`regions`) where they repeat, each distinct code once; `warmed`: the `warm_up`
-    started for it, if any."""
+    at once (`shared`), each task whole or as its regions (`regions`) where they repeat and
+    number at least `fewest` (`fewest_regions`; None: none cut), each distinct code once;
+    `warmed`: the `warm_up` started for it, if any."""
     tasks = list(program.tasks.values())
     if codegen != "inductor":
         compiled: dict[str, CompiledTask] = {}
@@ -81,7 +89,7 @@ def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: 
     cut: dict[str, regions.Regions] = {}
     with stats.phase("codegen regions"):
         for task in tasks:
-            task_regions = regions.cut(task.graph) if cut_regions else None
+            task_regions = regions.cut(task.graph, fewest) if fewest is not None else None
             if task_regions is None:
                 units.append(task)
                 key_of[task.name] = shared.code_key(task.graph)
@@ -130,4 +138,4 @@ def _regions_source(task: str, keys: list[str], code: dict[str, tuple[CompiledTa
     return "".join(parts)
 
 
-__all__ = ["compile_program", "CompiledTask", "cuts_regions", "prepare", "Task", "warm_up"]
+__all__ = ["compile_program", "CompiledTask", "fewest_regions", "prepare", "Task", "warm_up"]

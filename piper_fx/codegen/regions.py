@@ -16,8 +16,8 @@ stays with the first. So every layer's region runs what the layer's compute
 needs issued alongside it, and the middle layers' regions are the same code.
 
 A task is cut only where that pays: when at least two of its regions are the
-same code, and where the option `regions` has tasks cut (by default on a CPU, not
-on an accelerator: `codegen.cuts_regions`). Values cross regions through the runner's slots, each dropped after
+same code, and where the option `regions` has it cut (by default every such task
+on a CPU, and on an accelerator only a deep one: `codegen.fewest_regions`). Values cross regions through the runner's slots, each dropped after
 the last region that reads it, and a region's inputs are handed over boxed, so
 the region frees them at their last use inside it, as the whole task's code would.
 A cut that would carry anything but a tensor across (a multi-output op's tuple)
@@ -95,14 +95,18 @@ def spans(gm: fx.GraphModule) -> list[list[fx.Node]]:
     return [nodes[start:end] for start, end in zip(bounds, bounds[1:]) if end > start]
 
 
-def cut(gm: fx.GraphModule) -> Regions | None:
-    """`gm` as regions, or None where cutting does not pay (no two regions the same code) or
-    would carry a value that is not a tensor across a cut."""
+FEWEST = 3  # a repeat needs two regions beside the rest
+
+
+def cut(gm: fx.GraphModule, fewest: int = FEWEST) -> Regions | None:
+    """`gm` as regions, or None where it has fewer than `fewest` (at least `FEWEST`), where
+    cutting does not pay (no two regions the same code) or where it would carry a value
+    that is not a tensor across a cut."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     if not all(isinstance(n, fx.Node) for n in output.args[0]):
         return None
     parts = spans(gm)
-    if len(parts) < 3:  # a repeat needs two regions beside the rest
+    if len(parts) < max(fewest, FEWEST):
         return None
     placeholders = gm.graph.find_nodes(op="placeholder")
     slot: dict[fx.Node, int] = {node: i for i, node in enumerate(placeholders)}
