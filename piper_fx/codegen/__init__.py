@@ -4,12 +4,12 @@ A compiled task takes a list of input tensors (which it may clear, so inputs
 die at their last use inside the task) and returns a sequence of outputs.
 `eager` runs the FX graph's Python code; `inductor` compiles it with
 `compile_fx_inner` (C++ on CPU, Triton on CUDA), whole or as the layers it runs
-(`regions`: each distinct layer's code once; `fewest_regions` says which);
-collectives stay inside the
-compiled graphs as functional collectives. With `time_waits` (option
-`profile`), the waits of those collectives are timed as exposed communication
-(`runtime.timing`). Under Inductor, ranks that would compile the same task
-split the work (`shared`): each distinct task is compiled by one of them.
+(`regions`: each distinct layer's code once; `fewest_regions` says which
+tasks); collectives stay inside the compiled graphs as functional
+collectives. With `time_waits` (option `profile`), the waits of those
+collectives are timed as exposed communication (`runtime.timing`). Under
+Inductor, ranks that would compile the same task split the work (`shared`):
+each distinct task is compiled by one of them.
 """
 from __future__ import annotations
 

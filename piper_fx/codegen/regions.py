@@ -17,9 +17,10 @@ needs issued alongside it, and the middle layers' regions are the same code.
 
 A task is cut only where that pays: when at least two of its regions are the
 same code, and where the option `regions` has it cut (by default every such task
-on a CPU, and on an accelerator only a deep one: `codegen.fewest_regions`). Values cross regions through the runner's slots, each dropped after
-the last region that reads it, and a region's inputs are handed over boxed, so
-the region frees them at their last use inside it, as the whole task's code would.
+on a CPU, and on an accelerator only a deep one: `codegen.fewest_regions`).
+Values cross regions through the runner's slots, each dropped after the last
+region that reads it, and a region's inputs are handed over boxed, so the
+region frees them at their last use inside it, as the whole task's code would.
 A cut that would carry anything but a tensor across (a multi-output op's tuple)
 is not made: the task is compiled whole.
 """
