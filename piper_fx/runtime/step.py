@@ -142,9 +142,10 @@ class CompiledStep:
         names = {i.arg_index: i.fqn or i.name for i in self.inputs}
         self.specs = [(index, names[index], spec) for index, spec in (specs or {}).items()]
         # The arguments Dynamo passes as program placeholders (`dtensor_params`), for which the
-        # step takes the parameters they stand for, and whether the step computes each one's gradient.
+        # step takes the parameters they stand for: their name, and whether the step computes
+        # each one's gradient.
         computes_grad = {o.index for o in self.outputs if o.role is OutputRole.GRAD}
-        self.placeholders = [(index, index in computes_grad) for index in placeholders]
+        self.placeholders = [(index, names[index], index in computes_grad) for index in placeholders]
         self._held_key: tuple = ()  # what `_held` last counted its first two parts for, and those parts
         self._held_bytes: dict[str, int] = {}
 
@@ -184,9 +185,8 @@ class CompiledStep:
                                  "placements `prepare` gave; to place it otherwise, prepare the model with "
                                  "other options and compile again")
             self.specs[position] = (index, name, now)  # an equal spec: checked by identity from now on
-        for index, computes_grad in self.placeholders if self.training else ():
+        for index, name, computes_grad in self.placeholders if self.training else ():
             if args[index].requires_grad != computes_grad:
-                name = next(i.fqn or i.name for i in self.inputs if i.arg_index == index)
                 raise PiperError(f"compiled argument {index} ({name}) has requires_grad={not computes_grad}, but "
                                  f"this step was compiled for requires_grad={computes_grad}: the compiled model "
                                  "compiles anew for it at its next call")
@@ -255,7 +255,7 @@ class CompiledStep:
         step was compiled compiles it anew at the next call (this one rejects it,
         `_check_arguments`)."""
         args = list(args)
-        for index, _ in self.placeholders:
+        for index, _, _ in self.placeholders:
             placeholder = args[index]
             parameter = args[index] = stood_for(placeholder)
             if parameter.requires_grad != placeholder.requires_grad:
