@@ -256,15 +256,19 @@ def _unpickled_node() -> None:
     return None
 
 
+def _memory_format(name: str) -> torch.memory_format:
+    return getattr(torch, name)
+
+
 @functools.cache
 def _graph_pickler(plain_fakes: bool) -> type:
     """FX's `GraphPickler`, but a fake view's base described without its fake mode, as the
     view itself is: torch 2.13 drops the mode of the view alone, and the base's (which the
     unpickler sets again) drags the whole fake mode into the pickle, which fails. A node
     held in metadata is pickled as None (what `Options(ignore_raw_node=True)` does from
-    torch 2.13; torch 2.11 has no such option and refuses the node). With `plain_fakes`,
-    each fake value is pickled as its layout and storage (`_fake_from_layout`), and one that
-    is not plain raises `_NotPlainFake`."""
+    torch 2.13; torch 2.11 has no such option and refuses the node). A memory format is
+    pickled by its name in `torch`. With `plain_fakes`, each fake value is pickled as its
+    layout and storage (`_fake_from_layout`), and one that is not plain raises `_NotPlainFake`."""
     import dataclasses
 
     from torch._subclasses.fake_tensor import FakeTensor
@@ -278,6 +282,11 @@ def _graph_pickler(plain_fakes: bool) -> type:
         def reducer_override(self, obj):
             if isinstance(obj, torch.fx.Node):
                 return _unpickled_node, ()
+            if isinstance(obj, torch.memory_format):
+                # By its name in torch: its own reduction is the global "torch.contiguous_format",
+                # which pickle finds in the first module with a `torch` attribute, often
+                # `__main__`: a plan pickled by one script would not load in another.
+                return _memory_format, (str(obj).removeprefix("torch."),)
             if not isinstance(obj, FakeTensor):
                 return super().reducer_override(obj)
             if plain_fakes:

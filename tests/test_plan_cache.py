@@ -162,6 +162,28 @@ def test_a_plan_with_a_fake_view_is_pickled_whole_by_fx():
     assert loaded["view"]._base.untyped_storage()._cdata == loaded["view"].untyped_storage()._cdata
 
 
+def test_a_plan_loads_in_a_script_other_than_the_one_that_pickled_it():
+    """A memory format in a graph (`clone(x, memory_format=torch.contiguous_format)`, as
+    decompositions write it) is pickled by its name in torch. Its own reduction is the global
+    "torch.contiguous_format", which pickle looks up in the first module that resolves it: in
+    a spawned rank, often the script's `__mp_main__`, and the plan then failed to load in
+    any other script ("Can't get attribute 'torch.contiguous_format' on <module
+    '__mp_main__'>") and was planned again."""
+    import pickletools
+
+    from piper_fx.compat import FakeTensorMode, ShapeEnv, load_graphs, pickle_graphs
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.aten.clone.default, (x,),
+                                     {"memory_format": torch.contiguous_format}))
+    data = pickle_graphs([torch.fx.GraphModule({}, graph)], lambda key: key == "val")
+    strings = {arg for _, arg, _ in pickletools.genops(data) if isinstance(arg, str)}
+    assert "torch.contiguous_format" not in strings  # no global that pickle searches the modules for
+    loaded = load_graphs(data, FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True))[0]
+    (clone,) = loaded.graph.find_nodes(op="call_function", target=torch.ops.aten.clone.default)
+    assert clone.kwargs["memory_format"] is torch.contiguous_format
+
+
 def _values_not_plain(options: dict, world: int) -> list[str]:
     """The values of every rank's program for `options` (the example GPT, planned on a fake
     process group of `world`) that the plan cache cannot pickle by layout."""
