@@ -17,8 +17,8 @@ from .sharding.row_shard import REDUCE_GRAD, UNSHARD
 # ---- Functional collectives (`torch.distributed._functional_collectives`) and their wait.
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-# Inductor's reduce-scatter bucketing waits with the legacy namespace's op.
-LEGACY_WAIT = torch.ops.c10d_functional.wait_tensor.default
+REDUCE_SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 
 _COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
                      "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_out": "reduce_scatter",

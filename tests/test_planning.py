@@ -122,7 +122,7 @@ def _reduction_bucket_bytes(kind: str, numels: list[int], bucket_mb: float, smal
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from piper_fx.compat import tracing
-    from piper_fx.passes.bucket_collectives import _bucket_reductions, _Traces
+    from piper_fx.passes.bucket_collectives import FLAT_BUCKET, _bucket_reductions, _Traces
 
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -145,7 +145,10 @@ def _reduction_bucket_bytes(kind: str, numels: list[int], bucket_mb: float, smal
     if trace_stats:
         # Each bucket's values are its own: no storage of one bucket's collective is another's.
         storages = {n.meta["val"].untyped_storage()._cdata for n in buckets}
-        return {"buckets": len(buckets), "traces": len(traces), "own_storages": len(storages) == len(buckets)}
+        # Each bucket's flat input is one op over its gradients (not a copy per gradient).
+        flat = [n.all_input_nodes[0] for n in buckets]
+        return {"buckets": len(buckets), "traces": len(traces), "own_storages": len(storages) == len(buckets),
+                "flat_inputs": [len(f.args[0]) if f.target is FLAT_BUCKET else f.format_node() for f in flat]}
     return [n.all_input_nodes[0].meta["val"].numel() * 4 for n in buckets]
 
 
@@ -189,9 +192,10 @@ def test_buckets_of_one_layout_share_one_trace_each_with_values_of_its_own():
         stats = {kind: pool.apply(_reduction_bucket_bytes, (kind, [65536] * 12, 0.5, True, True))
                  for kind in ("all_reduce", "reduce_scatter")}
     # Six buckets of two 256 KiB gradients each (the first one too: 0.5 MiB is below DDP's
-    # 1 MiB): one layout, traced once, each bucket's values computed from its own inputs.
+    # 1 MiB): one layout, traced once, each bucket's values computed from its own inputs, and
+    # its flat input made by one op over its two gradients.
     for kind, got in stats.items():
-        assert got == {"buckets": 6, "traces": 1, "own_storages": True}, (kind, got)
+        assert got == {"buckets": 6, "traces": 1, "own_storages": True, "flat_inputs": [2] * 6}, (kind, got)
 
 
 @st.composite
