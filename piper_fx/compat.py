@@ -284,8 +284,8 @@ def _graph_pickler(plain_fakes: bool) -> type:
                 return _unpickled_node, ()
             if isinstance(obj, torch.memory_format):
                 # By its name in torch: its own reduction is the global "torch.contiguous_format",
-                # which pickle finds in the first module with a `torch` attribute, often
-                # `__main__`: a plan pickled by one script would not load in another.
+                # which pickle finds in the first module with a `torch` attribute, in a spawned
+                # rank often the script's `__mp_main__`: the plan would not load in another script.
                 return _memory_format, (str(obj).removeprefix("torch."),)
             if not isinstance(obj, FakeTensor):
                 return super().reducer_override(obj)

@@ -276,7 +276,10 @@ def _gather_from_flat_copy(inputs: list, group_name: str, group_size: int, dtype
 def _reduce_scatter_from_flat_copy(inputs: list, group_name: str, group_size: int, reduce_op: str,
                                    dtype: torch.dtype, device: torch.device) -> list:
     """A bucket's reduce-scatter, traced into the graph: Inductor's merge
-    (`bucketing.reduce_scatter_merge_fn_to_trace`) with the flat input made by one op."""
+    (`bucketing.reduce_scatter_merge_fn_to_trace`) with the flat input made by one op, and
+    waited for by the functional collectives' wait (Inductor's waits with the legacy
+    `c10d_functional.wait_tensor`, which on gloo does not wait for `_c10d_functional` work:
+    the bucket would be read before it is reduced)."""
     flat = FLAT_BUCKET(inputs, group_size, dtype)
     reduced = WAIT(REDUCE_SCATTER(flat, reduce_op, group_size, group_name))
     parts = reduced.split([t.numel() // group_size for t in inputs])
@@ -286,7 +289,8 @@ def _reduce_scatter_from_flat_copy(inputs: list, group_name: str, group_size: in
 def _all_reduce_from_flat_copy(inputs: list, group_name: str, reduce_op: str, dtype: torch.dtype,
                                device: torch.device) -> list:
     """A bucket's all-reduce, traced into the graph: Inductor's merge
-    (`bucketing.all_reduce_merge_fn_to_trace`) with the flat input made by one op."""
+    (`bucketing.all_reduce_merge_fn_to_trace`) with the flat input made by one op, and the
+    functional wait (as the reduce-scatter's)."""
     flat = FLAT_BUCKET(inputs, 1, dtype)
     reduced = WAIT(ALL_REDUCE(flat, reduce_op, group_name))
     return [part.reshape(t.shape) for part, t in zip(reduced.split([t.numel() for t in inputs]), inputs)]
