@@ -83,6 +83,8 @@ from torch.distributed.checkpoint.state_dict import _init_optim_state  # noqa: F
 # public in name only under torch.utils._python_dispatch / _pytree.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._pytree import tree_leaves, tree_map_only  # noqa: F401
+# The flat copy of a list of tensors in one C++ call, as DDP and FSDP1 make their flat buffers.
+from torch._utils import _flatten_dense_tensors as flatten_dense_tensors  # noqa: F401
 
 
 def dynamo_trace_seconds() -> float | None:

@@ -198,6 +198,27 @@ def test_buckets_of_one_layout_share_one_trace_each_with_values_of_its_own():
         assert got == {"buckets": 6, "traces": 1, "own_storages": True, "flat_inputs": [2] * 6}, (kind, got)
 
 
+def test_a_buckets_flat_buffer_holds_each_tensors_rows_in_turn():
+    """`piper::flat_bucket`, against the layout Inductor's merge functions trace with `torch.cat`:
+    with one row (all-gather, all-reduce), every tensor flattened in turn; with a row per rank
+    (reduce-scatter), rank r's part holds row r of every tensor in turn. Views, 0-d tensors
+    and casts included; its result is a new tensor even for a bucket of one."""
+    from piper_fx.passes.bucket_collectives import FLAT_BUCKET
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(4, 3), torch.randn(2), torch.randn(6, 2).t(), torch.randn(())]
+    assert torch.equal(FLAT_BUCKET(tensors, 1, torch.float32), torch.cat([t.reshape(-1) for t in tensors]))
+    assert torch.equal(FLAT_BUCKET(tensors, 1, torch.bfloat16),
+                       torch.cat([t.reshape(-1) for t in tensors]).bfloat16())
+    rows = [torch.randn(4, 3), torch.randn(2, 5), torch.randn(6, 2).t()]
+    flat = FLAT_BUCKET(rows, 2, torch.float32).reshape(2, -1)
+    for rank in range(2):
+        assert torch.equal(flat[rank], torch.cat([t.reshape(2, -1)[rank] for t in rows]))
+    alone = torch.randn(3, 3)
+    out = FLAT_BUCKET([alone], 1, torch.float32)
+    assert torch.equal(out, alone.reshape(-1)) and out.untyped_storage().data_ptr() != alone.untyped_storage().data_ptr()
+
+
 @st.composite
 def _reductions(draw):
     numels = draw(st.lists(st.integers(1, 160).map(lambda k: 2048 * k), min_size=1, max_size=10))

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..compat import (bucketing, detect_fake_mode, sort_bucket_region, stable_topological_sort, takes_cast,
-                      trace_bucket, tracing, tree_map_only)
+from ..compat import (bucketing, detect_fake_mode, flatten_dense_tensors, sort_bucket_region,
+                      stable_topological_sort, takes_cast, trace_bucket, tracing, tree_map_only)
 from ..ir import BACKWARD_KINDS, TrainingDAG
 from ..ops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, UNIT, WAIT
 from ..options import Strategy
@@ -245,11 +245,16 @@ def _flat_bucket(tensors: list[torch.Tensor], rows: int, dtype: torch.dtype) -> 
     """A bucket's flat buffer: `tensors`, each cast to `dtype` and seen as `rows` rows,
     laid out row by row (row r holds each tensor's row r in turn). A reduce-scatter's
     bucket has a row per rank of the group, so that rank r's part of the result holds its
-    part of every tensor; the other kinds have one row. One call of `torch.cat`, where
-    Inductor would make and compile a kernel per tensor: on a GPT of 12 blocks under
-    ZeRO-3, the backward's last region (a bucket of 148 gradients) took 18 s of a rank's
-    cold compile that way."""
-    return torch.cat([t.reshape(rows, -1).to(dtype) for t in tensors], dim=1).reshape(-1)
+    part of every tensor; the other kinds have one row. One call of `torch.cat` (with one
+    row, of `flatten_dense_tensors`, which views each tensor in C++: 0.13 ms for 148 of
+    them, 2.6 MB, where viewing them in Python took 0.4 ms), where Inductor would make and
+    compile a kernel per tensor: on a GPT of 12 blocks under ZeRO-3, the backward's last
+    region (a bucket of 148 gradients) took 18 s of a rank's cold compile that way."""
+    if any(t.dtype != dtype for t in tensors):
+        tensors = [t.to(dtype) for t in tensors]
+    if rows > 1 or len(tensors) == 1:  # (`flatten_dense_tensors` returns one tensor as a view of it)
+        return torch.cat([t.reshape(rows, -1) for t in tensors], dim=1).reshape(-1)
+    return flatten_dense_tensors(tensors)
 
 
 @_flat_bucket.register_fake
