@@ -113,19 +113,15 @@ def _bucket_reductions(gm: fx.GraphModule, bucket_mb: float, small_first: bool, 
 
 
 def _reduce_scatter_args(first: fx.Node, inputs: list[fx.Node]) -> tuple:
-    """The arguments of a reduce-scatter merge function for a bucket led by `first` (as
-    Inductor's `merge_reduce_scatter_bucket` makes them for its own)."""
+    """The arguments of `_reduce_scatter_from_flat_copy` for a bucket led by `first`."""
     _, reduce_op, group_size, group_name = first.args
-    val = first.meta["val"]
-    return [n.meta["val"] for n in inputs], group_name, group_size, reduce_op, val.dtype, val.device
+    return [n.meta["val"] for n in inputs], group_name, group_size, reduce_op, first.meta["val"].dtype
 
 
 def _all_reduce_args(first: fx.Node, inputs: list[fx.Node]) -> tuple:
-    """The arguments of an all-reduce merge function (as Inductor's `merge_all_reduce_bucket`
-    makes them for its own)."""
+    """The arguments of `_all_reduce_from_flat_copy` for a bucket led by `first`."""
     _, reduce_op, group_name = first.args
-    val = first.meta["val"]
-    return [n.meta["val"] for n in inputs], group_name, reduce_op, val.dtype, val.device
+    return [n.meta["val"] for n in inputs], group_name, reduce_op, first.meta["val"].dtype
 
 
 class _Traces:
@@ -279,7 +275,7 @@ def _gather_from_flat_copy(inputs: list, group_name: str, group_size: int, dtype
 
 
 def _reduce_scatter_from_flat_copy(inputs: list, group_name: str, group_size: int, reduce_op: str,
-                                   dtype: torch.dtype, device: torch.device) -> list:
+                                   dtype: torch.dtype) -> list:
     """A bucket's reduce-scatter, traced into the graph: Inductor's merge
     (`bucketing.reduce_scatter_merge_fn_to_trace`) with the flat input made by one op, and
     waited for by the functional collectives' wait (Inductor's waits with the legacy
@@ -291,8 +287,7 @@ def _reduce_scatter_from_flat_copy(inputs: list, group_name: str, group_size: in
     return [part.reshape((t.shape[0] // group_size, *t.shape[1:])) for part, t in zip(parts, inputs)]
 
 
-def _all_reduce_from_flat_copy(inputs: list, group_name: str, reduce_op: str, dtype: torch.dtype,
-                               device: torch.device) -> list:
+def _all_reduce_from_flat_copy(inputs: list, group_name: str, reduce_op: str, dtype: torch.dtype) -> list:
     """A bucket's all-reduce, traced into the graph: Inductor's merge
     (`bucketing.all_reduce_merge_fn_to_trace`) with the flat input made by one op, and the
     functional wait (as the reduce-scatter's)."""
