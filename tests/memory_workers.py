@@ -23,8 +23,9 @@ BATCH = 8  # the global batch, in sequences
 
 def breakdown_worker(rank: int, world: int, cases: list[dict], steps: int = 3) -> list[dict]:
     """Per strategy: the last step's memory breakdown, the peak the CPU allocator saw
-    during that step (`peak_allocated_bytes`), and what the rank holds counted apart
-    from piper_fx: its parameters' bytes and its optimizer's state bytes."""
+    during that step from the step's own thread (`peak_allocated_bytes`, without gloo's
+    worker threads), and what the rank holds counted apart from piper_fx: its
+    parameters' bytes and its optimizer's state bytes."""
     results = []
     for options in cases:
         torch.manual_seed(0)
@@ -39,7 +40,7 @@ def breakdown_worker(rank: int, world: int, cases: list[dict], steps: int = 3) -
             x, y = global_batch(i, BATCH, cfg)
             x, y = x.chunk(replicas)[rank % replicas], y.chunk(replicas)[rank % replicas]
             # Gradients set to None (zero_grad's default): the step frees nothing it did not make.
-            _, measured = peak_allocated_bytes(lambda: step(x, y).backward())
+            _, measured = peak_allocated_bytes(lambda: step(x, y).backward(), other_threads=False)
             memory = piper_fx.last_step_stats()["memory"]
             opt.step()
             opt.zero_grad()

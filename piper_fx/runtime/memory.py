@@ -112,31 +112,72 @@ def record_optimizer_state() -> None:
         _RECORDING.append(register_optimizer_step_post_hook(_record))
 
 
-def peak_allocated_bytes(fn: Callable[[], object]) -> tuple[object, int]:
+def peak_allocated_bytes(fn: Callable[[], object], *, other_threads: bool = True) -> tuple[object, int]:
     """Run `fn` and measure the most bytes it had allocated at once through the CPU
     allocator (every tensor, inside compiled kernels too, and op and collective
     workspaces), over what was allocated before it: `fn`'s result and that peak.
-    A measurement for tests and benchmarks (it runs `fn` under the profiler)."""
-    from torch.profiler import ProfilerActivity, profile
+    A measurement for tests and benchmarks (it runs `fn` under the profiler).
+
+    With `other_threads=False`, only what the calling thread allocates counts (freed on
+    any thread): not the buffers collective libraries make on their own worker threads,
+    such as gloo's staging copies. Whether those are alive at the step's peak depends on
+    when gloo's threads run, so they make the full peak vary from run to run of the
+    same step (on a GPU, NCCL's buffers are outside the allocator altogether)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
-        result = fn()
+        with record_function(_MEASURED):
+            result = fn()
 
     def events(nodes):
         for node in nodes:
             yield node
             yield from events(node.children)
 
-    # Each allocation's size (negative: a free), in time order. Not the allocator's own
-    # running total: it counts only while profiling, so it drifts across runs.
-    tree = profiler.profiler.kineto_results.experimental_event_tree()
-    allocations = sorted((event.start_time_ns, event.extra_fields.alloc_size) for event in events(tree)
-                         if event.tag == ProfilerEventType.Allocation)
+    every = list(events(profiler.profiler.kineto_results.experimental_event_tree()))
+    caller = next(event.start_tid for event in every if event.name == _MEASURED)
+    allocations = [(event.start_time_ns, event.extra_fields.alloc_size, event.start_tid, event.extra_fields.ptr)
+                   for event in every if event.tag == ProfilerEventType.Allocation]
+    return result, peak_of(allocations, caller if not other_threads else None)
+
+
+_MEASURED = "piper_fx.peak_allocated_bytes"
+
+
+def peak_of(allocations: Iterable[tuple[int, int, int, int]], thread: int | None = None) -> int:
+    """The most bytes allocated at once over the start, from the allocator's events: (time,
+    bytes, thread, address) each, bytes negative for a free; counting the blocks `thread`
+    allocates (freed by any thread), or every block if None. Not the allocator's own
+    running total, which counts only while profiling and so drifts across runs. A free
+    of a block allocated before the events lowers the total."""
+    counted: dict[int, int] = {}  # address -> bytes of a block allocated there that counts
+    uncounted: dict[int, int] = {}  # the same for the blocks that do not
+    late: dict[int, list[int]] = {}  # address -> bytes of blocks freed there whose free is yet to be seen
     current = peak = 0
-    for _, size in allocations:
-        current += size
-        peak = max(peak, current)
-    return result, peak
+    for _, size, by, address in sorted(allocations):
+        if size > 0:
+            # One thread's free may be stamped after another's allocation of the same
+            # address (gloo's worker thread drops a collective's input, the step's thread
+            # allocates there): the allocator had freed the block already.
+            if address in counted:
+                late.setdefault(address, []).append(counted[address])
+                current -= counted.pop(address)
+            elif address in uncounted:
+                late.setdefault(address, []).append(uncounted.pop(address))
+            if thread is None or by == thread:
+                counted[address] = size
+                current += size
+                peak = max(peak, current)
+            else:
+                uncounted[address] = size
+        elif -size in late.get(address, ()):
+            late[address].remove(-size)
+        elif address in uncounted:
+            del uncounted[address]
+        else:  # a counted block, or one allocated before the events
+            counted.pop(address, None)
+            current += size
+    return peak
 
 
 def optimizer_state_bytes(parameters: Iterable[torch.Tensor]) -> int:
