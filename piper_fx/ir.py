@@ -16,6 +16,7 @@ lowers a DAG to the next (`passes.PIPELINE` says which).
 from __future__ import annotations
 
 import enum
+import math
 import operator
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, ClassVar, Hashable, Sequence, Union
@@ -24,7 +25,7 @@ import torch
 
 import torch.fx as fx
 
-from .ops import COMM_NOTE, collective_kind, wait_of
+from .ops import COMM_NOTE, collective_kind, collective_sends, wait_of
 from .options import Strategy
 from .schedules.schedule import PAIR_SEPARATOR, ActionKind
 from .sharding.row_shard import ShardedParameter
@@ -190,10 +191,6 @@ def memory_order(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]
     return order if row_major(order) else None
 
 
-def _nbytes(val) -> int:
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
 def _order(order: tuple[int, ...] | None) -> str:
     return "" if order is None else f" in dim order {order}"
 
@@ -283,7 +280,8 @@ class RankProgram:
             for node in task.graph.graph.nodes:
                 kind = collective_kind(node)
                 if kind is not None:
-                    counts[kind] = counts.get(kind, 0) + _nbytes(node.args[0].meta["val"])
+                    shape, dtype = collective_sends(node)
+                    counts[kind] = counts.get(kind, 0) + math.prod(shape) * dtype.itemsize
         total: dict[str, int] = {}
         for instruction in self.instructions:
             if isinstance(instruction, Run):  # a fused pair's task holds both halves' collectives

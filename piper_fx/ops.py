@@ -11,6 +11,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from .collectives.buckets import GATHER_BUCKET
 from .sharding.experts import REDUCE_EXPERT_GRAD, UNSHARD_EXPERTS
 from .sharding.row_shard import REDUCE_GRAD, UNSHARD
 
@@ -28,7 +29,10 @@ _COLLECTIVE_KINDS = {"all_gather_into_tensor": "all_gather", "all_gather_into_te
 
 
 def collective_op_kind(op) -> str | None:
-    """`all_gather`, `reduce_scatter`, `all_reduce` or `all_to_all` for a functional collective op, else None."""
+    """`all_gather`, `reduce_scatter`, `all_reduce` or `all_to_all` for a functional collective
+    op, or a bucket's all-gather (`piper::gather_bucket`, issued and waited as one), else None."""
+    if op is GATHER_BUCKET:
+        return "all_gather"
     if getattr(op, "namespace", "") != "_c10d_functional":
         return None
     return _COLLECTIVE_KINDS.get(op.__name__.split(".")[0])
@@ -44,6 +48,18 @@ def collective_group(node: fx.Node) -> str:
     argument, wherever its op's schema puts it."""
     index = [a.name for a in node.target._schema.arguments].index("group_name")
     return node.args[index] if index < len(node.args) else node.kwargs["group_name"]
+
+
+def collective_sends(node: fx.Node) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """The shape and dtype of what a collective's node sends from this rank (its input's; a
+    bucket's all-gather sends its shards, cast and flattened into one), or None where its
+    input has no `val`."""
+    if node.target is GATHER_BUCKET:
+        shards, _, _, dtype = node.args
+        vals = [shard.meta.get("val") for shard in shards]
+        return None if any(val is None for val in vals) else ((sum(val.numel() for val in vals),), dtype)
+    val = node.args[0].meta.get("val")
+    return None if val is None else (tuple(val.shape), val.dtype)
 
 
 def is_wait(node: fx.Node) -> bool:

@@ -33,7 +33,7 @@ from typing import Callable, Hashable, Iterable, Sequence
 import torch.fx as fx
 
 from .ir import BACKWARD_KINDS, Level, RankProgram, Recv, Run, Send, TaskKind, TrainingDAG, value_label
-from .ops import collective_kind
+from .ops import collective_group, collective_kind, collective_sends
 from .options import Strategy
 from .schedules import ScheduleError, validate
 from .sharding.specs import SPEC_KEY
@@ -179,14 +179,8 @@ def point_to_point_problems(programs: dict[int, RankProgram]) -> list[str]:
     return problems
 
 
-def _group_name(node: fx.Node) -> str:
-    """A functional collective's process group: its last string argument (after a reduce op's name)."""
-    return next(a for a in reversed(node.args) if isinstance(a, str))
-
-
 def _signature(node: fx.Node, kind: str) -> tuple:
-    val = node.args[0].meta.get("val")
-    return (kind, tuple(val.shape) if val is not None else None, val.dtype if val is not None else None)
+    return (kind, *(collective_sends(node) or (None, None)))
 
 
 def collective_order_problems(programs: dict[int, RankProgram],
@@ -207,7 +201,8 @@ def collective_order_problems(programs: dict[int, RankProgram],
                 continue
             task = program.tasks[instruction.task]
             if id(task) not in signatures:
-                signatures[id(task)] = [(_group_name(node), _signature(node, kind)) for node in task.graph.graph.nodes
+                signatures[id(task)] = [(collective_group(node), _signature(node, kind))
+                                        for node in task.graph.graph.nodes
                                         if (kind := collective_kind(node)) is not None]
             for group_name, signature in signatures[id(task)]:
                 group = group_of(rank, group_name)

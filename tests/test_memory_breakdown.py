@@ -29,12 +29,11 @@ CASES = {
 # workspaces and the like. Measured: 0% at zero0, 1f1b and dualpipev's rank 0, 1% at
 # dualpipev's rank 1, 0.6 and 6.5% at zbv.
 MARGIN = 0.15
-# ZeRO-3 reads 5.6% over on most steps. A bucket's flat all-gather input is the step's,
-# but gloo's work holds it until gloo's worker thread runs again, which on two busy cores
-# can be several milliseconds after the step dropped it: then it may still be alive at the
-# peak, 99 KB (5.7%) each. In 200 steps, 1 to 3 such inputs were seen alive at the peak
-# on 13 of them (23% over at most); the whole process's peak, gloo's threads included,
-# read up to 40% over in CI.
+# ZeRO-3 reads 0% over on most steps. Its gradient reduce-scatters are all in flight until
+# the backward's end, and gloo's work holds each one's flat input until gloo's worker
+# thread gets to run it, which on two busy cores can be after the step's peak: up to the
+# three layers' inputs, 11% each. Seen: one, in 64 steps (before all-gathers were made in
+# place, their flat inputs were held the same way: 1 to 3 at the peak in 13 of 200 steps).
 MARGINS = {"zero3": 0.4}
 
 

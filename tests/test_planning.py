@@ -39,9 +39,9 @@ def _collectives_by_task(program: str) -> dict[str, list[str]]:
         task = re.match(r"\s+(\w+)\s+stage=\d+ lane=", line)
         if task:
             current = tasks.setdefault(task.group(1), [])
-        found = re.search(r"collective \w+: _c10d_functional\.(\w+)\.default", line)
-        if found:  # a bucket's all-gather writes into its flat buffer: the `_out` variant
-            current.append(found.group(1).removesuffix("_out"))
+        found = re.search(r"collective \w+: (?:_c10d_functional|piper)\.(\w+)\.default", line)
+        if found:  # a bucket's all-gather is one op of ours, which gathers in place
+            current.append({"gather_bucket": "all_gather_into_tensor"}.get(found.group(1), found.group(1)))
     return tasks
 
 
@@ -122,7 +122,8 @@ def _reduction_bucket_bytes(kind: str, numels: list[int], bucket_mb: float, smal
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from piper_fx.compat import tracing
-    from piper_fx.passes.bucket_collectives import FLAT_BUCKET, _bucket_reductions, _Traces
+    from piper_fx.collectives.buckets import FLAT_BUCKET
+    from piper_fx.passes.bucket_collectives import _bucket_reductions, _Traces
 
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -200,10 +201,10 @@ def test_buckets_of_one_layout_share_one_trace_each_with_values_of_its_own():
 
 def test_a_buckets_flat_buffer_holds_each_tensors_rows_in_turn():
     """`piper::flat_bucket`, against the layout Inductor's merge functions trace with `torch.cat`:
-    with one row (all-gather, all-reduce), every tensor flattened in turn; with a row per rank
+    with one row (all-reduce), every tensor flattened in turn; with a row per rank
     (reduce-scatter), rank r's part holds row r of every tensor in turn. Views, 0-d tensors
     and casts included; its result is a new tensor even for a bucket of one."""
-    from piper_fx.passes.bucket_collectives import FLAT_BUCKET
+    from piper_fx.collectives.buckets import FLAT_BUCKET
 
     torch.manual_seed(0)
     tensors = [torch.randn(4, 3), torch.randn(2), torch.randn(6, 2).t(), torch.randn(())]
@@ -217,6 +218,17 @@ def test_a_buckets_flat_buffer_holds_each_tensors_rows_in_turn():
     alone = torch.randn(3, 3)
     out = FLAT_BUCKET([alone], 1, torch.float32)
     assert torch.equal(out, alone.reshape(-1)) and out.untyped_storage().data_ptr() != alone.untyped_storage().data_ptr()
+
+
+def test_a_bucket_gather_holds_every_ranks_shards_flattened_in_rank_order():
+    """`piper::gather_bucket` at world 2, against each rank's shards flattened in turn, rank
+    after rank (the layout Inductor's all-gather merge traces): views, 0-d shards and a cast
+    included; the result is a new tensor, and its `wait_tensor` waits for the gather."""
+    from ranks import run_ranks
+    from training import gather_bucket_worker
+
+    for rank, checks in enumerate(run_ranks(gather_bucket_worker, 2)):
+        assert checks == {"float32": True, "bfloat16": True, "aliases_a_shard": False}, (rank, checks)
 
 
 @st.composite
@@ -268,19 +280,19 @@ def test_planning_all_64_ranks_of_pp8_x_dp8_in_one_process():
 
 def _gathers_overlapping_compute(overlap: bool) -> dict:
     """Per task of ZeRO-3 at world 2: how many all-gathers have matmuls running between issue and wait."""
+    from piper_fx.ops import collective_kind
     from training import plan_all_ranks
 
     options = {"zero": 3, "codegen": "eager", "overlap": overlap, "prefetch": 1}
     programs, _ = plan_all_ranks(options, world=2, n_layer=4, batch_rows=4)
     ops = torch.ops._c10d_functional
-    starts = (ops.all_gather_into_tensor.default, ops.all_gather_into_tensor_out.default)
     counts = {}
     for task in programs[0].tasks.values():
         nodes = list(task.graph.graph.nodes)
         position = {n: i for i, n in enumerate(nodes)}
         overlapped = 0
         for node in nodes:
-            if node.op == "call_function" and node.target in starts:
+            if collective_kind(node) == "all_gather":
                 (wait,) = [u for u in node.users if u.target is ops.wait_tensor.default]
                 between = nodes[position[node] + 1:position[wait]]
                 overlapped += any(n.target in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)

@@ -207,6 +207,7 @@ def zero3_memory_worker(rank: int, world: int, zero: int, overlap: bool = False,
     """Peak bytes of gathered (full) parameters alive at once in each of `steps` training steps,
     with what bounds them: the largest unit (a child of the model's layer list) and the
     parameters outside units, counted as they are gathered (rows padded to a multiple of world)."""
+    from piper_fx.ops import collective_op_kind
     from piper_fx.runtime.executor import around_tasks
 
     torch.manual_seed(0)
@@ -223,11 +224,9 @@ def zero3_memory_worker(rank: int, world: int, zero: int, overlap: bool = False,
     step = torch.compile(forward, backend="piper", options=options)
     x, y = batch_fn(0, 2 * world)
     step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()  # compile outside the measurement
-    all_gathers = (torch.ops._c10d_functional.all_gather_into_tensor.default,
-                   torch.ops._c10d_functional.all_gather_into_tensor_out.default)  # the latter for buckets
     peaks = []
     for _ in range(steps):
-        gathers = program_held_bytes(lambda op: op in all_gathers)
+        gathers = program_held_bytes(lambda op: collective_op_kind(op) == "all_gather")
         with around_tasks(gathers):
             step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
         peaks.append(gathers.peak)
@@ -973,3 +972,26 @@ def program_placeholders_worker(rank: int, world: int) -> dict:
         result["other_backend"] = outcome_of(*_call_timed(lambda: other(x, y).backward()))
         results[zero] = result
     return results
+
+
+def _bucket_shards(rank: int) -> list[torch.Tensor]:
+    """Shards of a bucket that differ by rank: a matrix, a transposed view, a 0-d tensor."""
+    return [torch.arange(6.0).reshape(2, 3) + 100 * rank, (torch.arange(4.0).reshape(2, 2) + 10 * rank).t(),
+            torch.tensor(rank + 0.5)]
+
+
+def gather_bucket_worker(rank: int, world: int) -> dict:
+    """`piper::gather_bucket` over the world, checked against every rank's shards (known to
+    each rank) flattened in turn, rank after rank, in float32 and cast to bfloat16."""
+    from piper_fx.collectives.buckets import GATHER_BUCKET
+    from piper_fx.ops import WAIT
+
+    shards = _bucket_shards(rank)
+    checks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        gathered = WAIT(GATHER_BUCKET(shards, world, dist.group.WORLD.group_name, dtype))
+        expected = torch.cat([t.reshape(-1).to(dtype) for r in range(world) for t in _bucket_shards(r)])
+        checks[str(dtype).removeprefix("torch.")] = gathered.dtype == dtype and torch.equal(gathered, expected)
+        checks["aliases_a_shard"] = checks.get("aliases_a_shard", False) or any(
+            gathered.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in shards)
+    return checks

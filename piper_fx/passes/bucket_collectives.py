@@ -21,14 +21,14 @@ bucket of a run of all-reduces is at most 1 MiB
 issued, the last layer's, start reducing while the backward has most of its
 work left. (An epilogue's reductions have no compute left to hide behind:
 they bucket by size alone; so do ZeRO-2/3's reduce-scatters, `_bucket_reductions`.)
-An all-gather bucket gathers from a flat copy of the rank's shards, not from
-the rank's slot of the gathered buffer as Inductor's own merge does: the graph
-then names no rank, so every rank of the group has the same task code,
-compiled once for all of them (`codegen.shared`).
-Every bucket's flat buffer is made by one op, `piper::flat_bucket`, which the
-compiled code calls as it is, where Inductor's lowering of the `torch.cat` its
-merge functions trace generates and compiles a copy kernel per tensor of the
-bucket (Inductor's `custom_ops` bucket mode makes the same choice).
+A bucket is made of our ops (`collectives.buckets`), which the compiled code
+calls as they are: an all-gather bucket is one `piper::gather_bucket`, which
+copies the rank's shards into its own slot of the gathered buffer and gathers in
+place, as FSDP2 does (the graph names no rank: every rank of the group has the
+same task code, compiled once for all of them, `codegen.shared`); a reduction's
+flat buffer is one `piper::flat_bucket`, where Inductor's lowering of the
+`torch.cat` its merge functions trace generates and compiles a copy kernel per
+tensor of the bucket.
 """
 from __future__ import annotations
 
@@ -40,10 +40,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..compat import (bucketing, detect_fake_mode, flatten_dense_tensors, sort_bucket_region,
-                      stable_topological_sort, takes_cast, trace_bucket, tracing, tree_map_only)
+from ..collectives.buckets import FLAT_BUCKET, GATHER_BUCKET
+from ..compat import (bucketing, detect_fake_mode, sort_bucket_region, stable_topological_sort, takes_cast,
+                      trace_bucket, tracing, tree_map_only)
 from ..ir import BACKWARD_KINDS, TrainingDAG
-from ..ops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, UNIT, WAIT
+from ..ops import ALL_REDUCE, REDUCE_SCATTER, UNIT, WAIT
 from ..options import Strategy
 
 
@@ -59,7 +60,7 @@ def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float, traces: _Traces) -> N
 
         def trace_args(inputs: list[fx.Node], group_size=group_size, group_name=group_name, dtype=dtype) -> tuple:
             return [node.meta["val"] for node in inputs], group_name, group_size, dtype
-        _merge(gm.graph, bucket, _gather_from_flat_copy, trace_args, traces)
+        _merge(gm.graph, bucket, _gather_bucket, trace_args, traces)
 
 
 def _nbytes(collective: fx.Node) -> int:
@@ -236,40 +237,14 @@ def _repair(users: list[fx.Node]) -> None:
                 work.append(user)
 
 
-@torch.library.custom_op("piper::flat_bucket", mutates_args=())
-def _flat_bucket(tensors: list[torch.Tensor], rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """A bucket's flat buffer: `tensors`, each cast to `dtype` and seen as `rows` rows,
-    laid out row by row (row r holds each tensor's row r in turn). A reduce-scatter's
-    bucket has a row per rank of the group, so that rank r's part of the result holds its
-    part of every tensor; the other kinds have one row. One call of `torch.cat` (with one
-    row, of `flatten_dense_tensors`, which views each tensor in C++: 0.13 ms for 148 of
-    them, 2.6 MB, where viewing them in Python took 0.4 ms), where Inductor would make and
-    compile a kernel per tensor: on a GPT of 12 blocks under ZeRO-3, the backward's last
-    region (a bucket of 148 gradients) took 18 s of a rank's cold compile that way."""
-    if any(t.dtype != dtype for t in tensors):
-        tensors = [t.to(dtype) for t in tensors]
-    if rows > 1 or len(tensors) == 1:  # (`flatten_dense_tensors` returns one tensor as a view of it)
-        return torch.cat([t.reshape(rows, -1) for t in tensors], dim=1).reshape(-1)
-    return flatten_dense_tensors(tensors)
-
-
-@_flat_bucket.register_fake
-def _(tensors, rows, dtype):
-    return tensors[0].new_empty(sum(t.numel() for t in tensors), dtype=dtype)
-
-
-FLAT_BUCKET = torch.ops.piper.flat_bucket.default
-
-
-def _gather_from_flat_copy(inputs: list, group_name: str, group_size: int, dtype: torch.dtype) -> list:
+def _gather_bucket(inputs: list, group_name: str, group_size: int, dtype: torch.dtype) -> list:
     """A bucket's all-gather, traced into the graph: the shards, cast to the gathered dtype
-    (the bucket takes a cast's input, and casts it itself), copied into one flat input,
-    gathered by the functional collective, and viewed per tensor. (Gathering the same
-    flat input with the `_out` form, into a buffer of the graph's, trained wrong under
-    Inductor on gloo, losses off by 1e-3.)"""
+    (the bucket takes a cast's input, and casts it itself), gathered in place by one op
+    (`piper::gather_bucket`), and viewed per tensor. (Inductor's own merge gathers in place
+    too, with the `_out` collective into a buffer of the graph's: that trained wrong under
+    Inductor on gloo, losses off by 1e-3, and names the rank.)"""
     sizes = [t.numel() for t in inputs]
-    flat = FLAT_BUCKET(inputs, 1, dtype)
-    gathered = WAIT(ALL_GATHER(flat, group_size, group_name)).reshape(group_size, -1)
+    gathered = WAIT(GATHER_BUCKET(inputs, group_size, group_name, dtype)).reshape(group_size, -1)
     return [part.reshape((t.shape[0] * group_size, *t.shape[1:]))
             for part, t in zip(torch.split_with_sizes(gathered, sizes, dim=1), inputs)]
 

@@ -54,7 +54,7 @@ def _one_gather_at_a_time(task: Task, on_gloo: dict[tuple[str, torch.device], bo
     moved = False
     for gather in [n for n in graph.nodes if collective_kind(n) == "all_gather"]:
         group = collective_group(gather)
-        where = (group, gather.args[0].meta["val"].device)
+        where = (group, gather.meta["val"].device)
         if where not in on_gloo:
             on_gloo[where] = _runs_on_gloo(*where)
         if not on_gloo[where]:
