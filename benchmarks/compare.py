@@ -194,9 +194,9 @@ def measure_pair(makers, cfg: GPTConfig, caches, steps: int, rounds: int, rank: 
         dist.all_reduce(loss)
         dist.barrier()
         step_s = statistics.median(rounds_s)
-        # The least of a few steps' peaks: a step allocates the same every time, but the profiler
-        # misses a free now and then (a buffer whose last reference gloo's worker thread drops),
-        # which counts that buffer held to the end of the step.
+        # The least of a few steps' peaks: a step allocates the same every time, but gloo's worker
+        # threads hold a collective's buffers (its staging copies, a reduce-scatter's input) until
+        # they get to run, which on busy cores is sometimes past the step's peak.
         above = min(peak_allocated_bytes(lambda: side.run(i + k))[1] for k in range(PEAK_STEPS))
         result.update(step_s=step_s, spread=(max(rounds_s) - min(rounds_s)) / step_s, loss=loss.item() / world,
                       peak_bytes=_resident_bytes(side.params, side.opt) + side.kept_bytes() + above)
