@@ -148,9 +148,9 @@ def test_the_measured_peak_counts_other_threads_blocks_only_when_asked_and_frees
 
     step, gloo = 1, 2  # threads
     events = [(0, -50, step, 0xA0),      # a block from before the step, freed
-              (1, 100, step, 0xB0),      # the step's flat all-gather input
+              (1, 100, step, 0xB0),      # a reduce-scatter's flat input, made by the step
               (2, 400, gloo, 0xC0),      # gloo's staging copy
-              (3, 200, step, 0xD0),      # the all-gather's output
+              (3, 200, step, 0xD0),      # another of the step's values
               (4, 300, step, 0xB0),      # the input's address reused: gloo had freed the input...
               (5, -100, gloo, 0xB0),     # ... but its free is stamped later
               (6, -400, gloo, 0xC0),
