@@ -100,6 +100,8 @@ def test_bucket_size_sets_the_number_of_collectives(tmp_path, world):
         for bucket_mb in (1e-9, 0.002, 25):
             program = pool.apply(_plan_one_step, (3, world, str(tmp_path / str(bucket_mb)), bucket_mb))
             counts[bucket_mb] = {task: _counts(ops) for task, ops in _collectives_by_task(program).items()}
+            # Every all-gather gathers in place: one grouped with no other is a bucket of one.
+            assert "_c10d_functional.all_gather_into_tensor" not in program, bucket_mb
     gathers = {mb: c["F0"]["all_gather_into_tensor"] + c["B0"]["all_gather_into_tensor"] for mb, c in counts.items()}
     scatters = {mb: c["B0"]["reduce_scatter_tensor"] for mb, c in counts.items()}
     assert gathers[1e-9] > gathers[0.002] > gathers[25], gathers

@@ -22,7 +22,8 @@ issued, the last layer's, start reducing while the backward has most of its
 work left. (An epilogue's reductions have no compute left to hide behind:
 they bucket by size alone; so do ZeRO-2/3's reduce-scatters, `_bucket_reductions`.)
 A bucket is made of our ops (`collectives.buckets`), which the compiled code
-calls as they are: an all-gather bucket is one `piper::gather_bucket`, which
+calls as they are: an all-gather bucket (a gather grouped with no other is a
+bucket of one) is one `piper::gather_bucket`, which
 copies the rank's shards into its own slot of the gathered buffer and gathers in
 place, as FSDP2 does (the graph names no rank: every rank of the group has the
 same task code, compiled once for all of them, `codegen.shared`); a reduction's
@@ -44,7 +45,7 @@ from ..collectives.buckets import FLAT_BUCKET, GATHER_BUCKET
 from ..compat import (bucketing, detect_fake_mode, sort_bucket_region, stable_topological_sort, takes_cast,
                       trace_bucket, tracing, tree_map_only)
 from ..ir import BACKWARD_KINDS, TrainingDAG
-from ..ops import ALL_REDUCE, REDUCE_SCATTER, UNIT, WAIT
+from ..ops import ALL_REDUCE, REDUCE_SCATTER, UNIT, WAIT, is_wait
 from ..options import Strategy
 
 
@@ -54,6 +55,12 @@ def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float, traces: _Traces) -> N
 
     buckets = bucketing.greedy_bucket_collective_by_mb(
         gm, lambda _: cap_mb, bucketing.is_all_gather_into_tensor, key)
+    # A gather that Inductor groups with no other (a unit of one parameter, a gather over
+    # `bucket_mb` alone) is a bucket of one: every all-gather gathers in place.
+    grouped = {node for bucket in buckets for node in bucket}
+    buckets += [[node] for node in gm.graph.nodes
+                if bucketing.is_all_gather_into_tensor(node) and node not in grouped
+                and len(node.users) == 1 and is_wait(next(iter(node.users)))]
     for bucket in buckets:  # one group and gathered dtype each (`_ag_group_key`)
         _, group_size, group_name = bucket[0].args
         dtype = bucket[0].meta["val"].dtype
