@@ -23,13 +23,13 @@ work left. (An epilogue's reductions have no compute left to hide behind:
 they bucket by size alone; so do ZeRO-2/3's reduce-scatters, `_bucket_reductions`.)
 A bucket is made of our ops (`collectives.buckets`), which the compiled code
 calls as they are: an all-gather bucket (a gather grouped with no other is a
-bucket of one) is one `piper::gather_bucket`, which
-copies the rank's shards into its own slot of the gathered buffer and gathers in
-place, as FSDP2 does (the graph names no rank: every rank of the group has the
-same task code, compiled once for all of them, `codegen.shared`); a reduction's
-flat buffer is one `piper::flat_bucket`, where Inductor's lowering of the
-`torch.cat` its merge functions trace generates and compiles a copy kernel per
-tensor of the bucket.
+bucket of one) is one `piper::gather_bucket`, which copies the rank's shards
+into its own slot of the gathered buffer and gathers in place, as FSDP2 does
+(the graph names no rank: every rank of the group has the same task code,
+compiled once for all of them, `codegen.shared`); a reduction's flat buffer is
+one `piper::flat_bucket`, where Inductor's lowering of the `torch.cat` its
+merge functions trace generates and compiles a copy kernel per tensor of the
+bucket.
 """
 from __future__ import annotations
 
