@@ -499,14 +499,21 @@ class DeviceEvents:
     device's events complete later than the host records them); counts the reads."""
 
     synchronized = 0
+    made = 0  # events made
+
+    @staticmethod
+    def current_stream() -> str:
+        return "stream"
 
     class Event:
         def __init__(self, enable_timing: bool = False):
             assert enable_timing
             self.at, self.done = None, False
+            DeviceEvents.made += 1
 
-        def record(self) -> None:
-            self.at = time.perf_counter_ns()
+        def record(self, stream: str) -> None:
+            assert stream == "stream"
+            self.at, self.done = time.perf_counter_ns(), False
 
         def synchronize(self) -> None:
             DeviceEvents.synchronized += 1
@@ -517,16 +524,17 @@ class DeviceEvents:
             return (end.at - self.at) / 1e6
 
 
-def stream_clock_worker(rank: int, world: int, options: dict, steps: int = 3) -> dict:
+def stream_clock_worker(rank: int, world: int, options: dict, steps: int = 4) -> dict:
     """`stats_worker` with each step timed by a stream clock over `DeviceEvents`, as on a
-    GPU: the events read during the steps, and after the stats and trace were asked for."""
+    GPU: the events read during the steps, and after the stats and trace were asked for;
+    the events made by the end of each step."""
     from piper_fx.runtime import executor
     from piper_fx.runtime.timing import StreamClock
 
     clock_for = executor.clock_for
     executor.clock_for = lambda device: StreamClock(DeviceEvents)
     try:
-        DeviceEvents.synchronized = 0
+        DeviceEvents.synchronized = DeviceEvents.made = 0
         cfg = GPTConfig(**SMALL)
         torch.manual_seed(0)
         model = GPT(cfg)
@@ -534,13 +542,15 @@ def stream_clock_worker(rank: int, world: int, options: dict, steps: int = 3) ->
         piper_fx.prepare(model, options)
         step = torch.compile(model, backend="piper", options=options)
         dp = world // options.get("mesh", {}).get("pp", 1)
+        made = []
         for i in range(steps):
             x, y = global_batch(i, 2 * world, cfg)
             step(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]).backward()
+            made.append(DeviceEvents.made)
         read_while_stepping = DeviceEvents.synchronized
         stats, trace = piper_fx.last_step_stats(), piper_fx.last_step_trace()
         return {"read_while_stepping": read_while_stepping, "read": DeviceEvents.synchronized,
-                "stats": stats, "trace": trace}
+                "stats": stats, "trace": trace, "made": made}
     finally:
         executor.clock_for = clock_for
 

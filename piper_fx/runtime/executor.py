@@ -157,7 +157,8 @@ class ProgramExecutor:
         self.program = program
         self.compiled = compiled
         self.compiled_tensors = _compiled_tensors(program)
-        self.device = device  # where the rank computes (the model's device): its clock times the steps
+        self.device = device  # where the rank computes (the model's device)
+        self.clock = clock_for(device)  # times the steps, one at a time, reusing its stamps
         self.comm_bytes = program.communication_bytes()  # fixed by the program: counted once
         self.part_of: dict[str, str | None] = {name: "gradients" for name in program.accumulated | set(program.outputs)}
         self.part_of.update(dict.fromkeys(program.inputs))
@@ -236,7 +237,7 @@ class ProgramExecutor:
         rank 1: failed in task B0.2"; on every other rank, `PeerFailedError`
         naming that rank, raised from this rank's own error.
         """
-        timeline = StepTimeline(self.program.rank, clock_for(self.device))
+        timeline = StepTimeline(self.program.rank, self.clock)
         position = _Position()
         batch = P2PBatch(timeline)
         counting = self.profile is None
@@ -332,10 +333,11 @@ class ProgramExecutor:
         pending_sends.extend(batch.issue())
         for slot in list(receiving):
             arrive(slot)
-        position.draining_sends = True
-        with timeline.span("sends in flight", COMM_WAIT, "send"):
-            for send in pending_sends:
-                send.batch.wait(send.message)
+        if pending_sends:
+            position.draining_sends = True
+            with timeline.span("sends in flight", COMM_WAIT, "send"):
+                for send in pending_sends:
+                    send.batch.wait(send.message)
         held = values.held
         outputs = {name: held[slot_of[key]] for name, key in self.output_keys}
         return {name: value for name, value in outputs.items() if value is not None}, memory
