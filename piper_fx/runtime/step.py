@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -123,7 +123,8 @@ class CompiledStep:
         self.batch_tensors = {i.arg_index: tensors[i.name] for i in self.inputs
                               if i.role is InputRole.INPUT and i.name in tensors}
         # The parameters and buffers (their program value's key, their argument's index): held throughout.
-        self.held_inputs = [((i.name, None), i.arg_index) for i in self.inputs if i.role in HELD_ROLES]
+        held = [i for i in self.inputs if i.role in HELD_ROLES]
+        self.held_keys, self.held_indices = [(i.name, None) for i in held], [i.arg_index for i in held]
         # Each per-microbatch input's program keys, one per microbatch, made once: the seeds
         # of the loss, the batch arguments' chunks (with the argument's index) and random words.
         by_microbatch = range(self.microbatches)
@@ -191,13 +192,11 @@ class CompiledStep:
                                  f"this step was compiled for requires_grad={computes_grad}: the compiled model "
                                  "compiles anew for it at its next call")
 
-    def _held(self, args: Sequence[torch.Tensor], values: dict) -> dict[str, int]:
+    def _held(self, parameters: list[torch.Tensor], tensors: list[torch.Tensor]) -> dict[str, int]:
         """The memory parts held throughout a step: the storage of the parameters and
         buffers (none for those of pipeline stages this rank does not run, released when
-        the step was compiled) as the program reads them (`values`), their optimizer
+        the step was compiled) as the program reads them (`tensors`), their optimizer
         state, and their gradients from before."""
-        parameters = [args[index] for _, index in self.held_inputs]
-        tensors = [values[key] for key, _ in self.held_inputs]
         # The first two parts change only with the parameters, the tensors the program reads of
         # them, or their optimizer state: counted again only then (a tenth of a millisecond a step).
         key = (optimizer_state_version(), *map(id, parameters), *map(id, tensors))
@@ -205,7 +204,7 @@ class CompiledStep:
             self._held_key = key
             self._held_bytes = {"parameters": storage_bytes(tensors),
                                 "optimizer_state": optimizer_state_bytes(parameters)}
-        return {**self._held_bytes, "gradients": storage_bytes(p.grad for p in parameters)}
+        return {**self._held_bytes, "gradients": storage_bytes([p.grad for p in parameters])}
 
     def run_program(self, args: Sequence[torch.Tensor]):
         """Run the program on the call's arguments: (user outputs, {arg index: grad}), each
@@ -226,9 +225,11 @@ class CompiledStep:
             values.update(zip(keys, self._microbatches(args[index])))
         for keys in self.rng_keys:
             values.update(zip(keys, self.randomness.next_inputs(self.microbatches)))
-        for key, index in self.held_inputs:  # a parameter (a DTensor's padded local rows) or a buffer
-            values[key] = program_tensor(args[index])
-        held = self._held(args, values) if self.training else {}
+        # The parameters and buffers, as the program reads them (a DTensor's padded local rows).
+        parameters = [args[index] for index in self.held_indices]
+        tensors = [program_tensor(p) if isinstance(p, DTensor) else p for p in parameters]
+        values.update(zip(self.held_keys, tensors))
+        held = self._held(parameters, tensors) if self.training else {}
         program_started = time.perf_counter()
         results, self.last_run = self.executor.run(values, call, held)
         program_ended = time.perf_counter()
@@ -298,7 +299,7 @@ class _StepFunction(torch.autograd.Function):
         # would wait for its queue).
         if grads and not _is_one_on_host(loss_seed):
             torch._foreach_mul_(list(grads.values()), loss_seed)
-        handed = (None, *_hand_over(args, grads, ctx.next_functions))
+        handed = (None, *_hand_over(args, grads, lambda: ctx.next_functions))
         ctx.run.hand_over_s += time.perf_counter() - started
         return handed
 
@@ -308,10 +309,10 @@ def _is_one_on_host(seed: torch.Tensor) -> bool:
 
 
 def _hand_over(args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
-               edges: Sequence[tuple]) -> list[torch.Tensor | None]:
+               edges: Callable[[], Sequence[tuple]]) -> list[torch.Tensor | None]:
     """What `_StepFunction.backward` returns for `args`, given the program's gradients by
-    argument index and the autograd edges of the tensor arguments, in order (the
-    backward node's `next_functions`: the node each one's gradient goes to).
+    argument index and a function giving the autograd edges of the tensor arguments, in
+    order (the backward node's `next_functions`: the node each one's gradient goes to).
 
     A DTensor leaf (a parameter) that this backward accumulates into and that has no
     hooks gets its gradient added into `.grad` here (`accumulate_grad`, as FSDP2 does for
@@ -320,8 +321,13 @@ def _hand_over(args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
     through autograd as PyTorch delivers it: a plain tensor's (autograd's own
     accumulation is cheaper), under `torch.autograd.grad`, for leaves
     `backward(inputs=...)` leaves out, to `register_hook` and
-    `register_post_accumulate_grad_hook` hooks, and to non-leaf inputs."""
-    remaining = iter(edges)
+    `register_post_accumulate_grad_hook` hooks, and to non-leaf inputs.
+
+    The edges are asked for only where a gradient is a DTensor's: reading the node's
+    `next_functions` makes a Python object of every edge's node."""
+    if not any(isinstance(args[index], DTensor) for index in grads):  # every one through autograd
+        return [grads.get(index) for index in range(len(args))]
+    remaining = iter(edges())
     nodes = [next(remaining)[0] if isinstance(arg, torch.Tensor) else None for arg in args]
     out: list[torch.Tensor | None] = [None] * len(args)
     for index, grad in grads.items():
