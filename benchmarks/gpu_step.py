@@ -1,7 +1,7 @@
 """One device, world 1: piper_fx's step against `torch.compile` of the same model, and where the difference goes.
 
     python benchmarks/gpu_step.py [--device cuda] [--steps 50] [--rounds 3] [--sides torch_compile,piper_inductor,piper_eager]
-                                  [--same-process]
+                                  [--same-process] [--profile [--trace-dir DIR]]
 
 The example GPT (4 layers, width 256, 8 sequences of 128 tokens, AdamW with
 torch's default implementation for the device) trained by each side:
@@ -17,10 +17,13 @@ Beside it, the host's time in each phase of a step (the call, `loss.backward()`,
 host's total is about the step time, the step waits on the host, not the
 device) and, for piper_fx, `last_step_stats()`: its program's wall time, the
 runtime's own share and the step's own work around the program. With
-`--profile`, the profiler's table of each side's host time by operator over a
-few steps. With `--same-process`, every side runs in one process instead,
+`--profile`, the profiler's view of a few steps of each side (its warm
+process): the kernels launched and their device time per step, and the host's
+time by operator; with `--trace-dir DIR` too, each side's Chrome trace. With `--same-process`, every side runs in one process instead,
 their rounds alternating (the order reversed every round), for step times and
-host phases under the same process state and load (no compile times): on a CPU
+host phases under the same process state and load (no compile times), and each
+side's rounds against the `torch.compile` rounds beside them (the median and
+quartiles of those ratios, robust to the host's speed moving within a run): on a CPU
 with a small model (`--device cpu --width 64 --block 32 --rows 2 --n-layer 2`)
 the step is host-bound like the GPU's, which makes it a proxy for the runtime's
 own cost there. A measurement, not a test: nothing here asserts a time.
@@ -171,10 +174,38 @@ def _same_process(args: argparse.Namespace) -> int:
         print(f"{side:16s} {step[side] * 1e3:8.3f} {spread:7.1%} {ratios[0]:8.3f} {host[side] * 1e3:8.3f} "
               f"{ratios[1]:8.3f} " + "".join(f"{statistics.median(p[k] for p in phases[side]) * 1e3:15.3f}"
                                             for k in range(len(PHASES))))
+    # The host's speed moves within a run (the rounds' spreads): each round against the
+    # torch.compile round beside it (the same round index, run back to back) is robust to it.
+    if "torch_compile" in sides:
+        for side in sides:
+            if side != "torch_compile":
+                paired = sorted(a / b for a, b in zip(rounds[side], rounds["torch_compile"]))
+                quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+                print(f"{side} / torch_compile, round by round beside each other: median {quartiles[1]:.3f}, "
+                      f"quartiles {quartiles[0]:.3f} .. {quartiles[2]:.3f} ({len(paired)} pairs)")
     print(f"{len(gc.get_objects())} objects tracked; garbage collections during each side's rounds (count, ms): "
           + "; ".join(f"{side} " + ", ".join(f"gen{g} {n} {t * 1e3:.1f}" for g, (n, t) in collections[side].times.items())
                       for side in sides))
+    for side in sides:
+        if side.startswith("piper"):
+            train_step, sync = steps[side]
+            train_step(0)
+            sync()
+            print(f"{side} last_step_stats: " + _piper_stats())
+    if args.profile:
+        for side in sides:
+            train_step, sync = steps[side]
+            print(f"{side} profile ({PROFILED_STEPS} steps): " + _profile(side, train_step, sync, 0, args))
     return 0
+
+
+def _piper_stats() -> str:
+    import piper_fx
+
+    stats = piper_fx.last_step_stats()
+    return ", ".join(f"{k}={stats[k] * 1e3:.3f} ms" if k.endswith("_s") else f"{k}={stats[k]:.3g}"
+                     for k in ("step_s", "runtime_s", "runtime_fraction", "step_call_s", "overhead_fraction",
+                               "instructions"))
 
 
 def _worker(args: argparse.Namespace) -> dict:
@@ -214,21 +245,43 @@ def _worker(args: argparse.Namespace) -> dict:
         result["piper"] = {key: stats[key] for key in ("step_s", "runtime_s", "runtime_fraction", "step_call_s",
                                                         "overhead_fraction", "instructions")}
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            for k in range(5):
-                train_step(i + 1 + k)
-            sync()
-        result["profile"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        result["profile"] = _profile(args.side, train_step, sync, i + 1, args)
     return result
+
+
+PROFILED_STEPS = 5
+
+
+def _profile(side: str, train_step, sync, first: int, args: argparse.Namespace) -> str:
+    """The profiler's view of `PROFILED_STEPS` steps of one side: per step, the kernels
+    launched and the device's time in them, then the host's time by operator. With
+    `--trace-dir`, the Chrome trace too (`<side>.json`), to read the host's gaps between
+    launches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    sync()
+    with profile(activities=activities) as prof:
+        for k in range(PROFILED_STEPS):
+            train_step(first + k)
+        sync()
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(args.trace_dir, f"{side}.json"))
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    device_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return (f"per step: {launches / PROFILED_STEPS:.0f} kernel launches, {device_us / PROFILED_STEPS / 1e3:.3f} ms "
+            f"of kernels\n" + events.table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 def _spawn(side: str, cache: str, args: argparse.Namespace, profile: bool) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
     command = [sys.executable, __file__, "--worker", side, "--device", args.device, "--steps", str(args.steps),
                "--rounds", str(args.rounds), "--n-layer", str(args.n_layer), "--width", str(args.width),
-               "--block", str(args.block), "--rows", str(args.rows)] + (["--profile"] if profile else [])
+               "--block", str(args.block), "--rows", str(args.rows)] + (["--profile"] if profile else []) \
+        + (["--trace-dir", args.trace_dir] if profile and args.trace_dir else [])
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         print(f"{side}: exit {done.returncode}\n{done.stdout}{done.stderr[-6000:]}", flush=True)
@@ -248,6 +301,8 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--profile", action="store_true", help="print the profiler's table of each side "
                         "(its warm process)")
+    parser.add_argument("--trace-dir", default=None, help="with --profile, write each side's Chrome trace "
+                        "there (<side>.json)")
     parser.add_argument("--same-process", action="store_true", help="run every side in one process, "
                         "alternating rounds (step times and host phases only; no compile times)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -302,7 +357,7 @@ def main() -> int:
                 print(f"{side} last_step_stats: " + ", ".join(
                     f"{k}={v * 1e3:.3f} ms" if k.endswith("_s") else f"{k}={v:.3g}" for k, v in r["piper"].items()))
             if "profile" in r:
-                print(f"{side} profile (5 steps):\n{r['profile']}")
+                print(f"{side} profile ({PROFILED_STEPS} steps): {r['profile']}")
     return 0
 
 
