@@ -7,7 +7,9 @@ task, and returned as a callable that runs whole training steps.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import contextlib
+import gc
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -152,7 +154,35 @@ def check_one_device(example_inputs: list) -> torch.device | None:
     return device
 
 
+@contextlib.contextmanager
+def _collecting_only_new_objects() -> Iterator[int]:
+    """While inside, the cyclic garbage collector scans only the objects made since it was
+    entered: those the process held already (torch's modules, the model, Dynamo's trace)
+    are frozen (`gc.freeze`), and thawed into the oldest generation after. Yields how many
+    were frozen. A compile makes hundreds of thousands of objects, so it sets off full
+    collections, each of which would scan the whole process (on this project's machine,
+    a 12-block ZeRO-3 cold compile spent 1.35 s in 4 of them). Where the process froze
+    objects itself (say before forking data loader workers), nothing is frozen: thawing
+    would thaw those too. As `torch.distributed.checkpoint.state_dict` turns the collector
+    off while it builds a state dict, but the compile's own garbage is still collected."""
+    if gc.get_freeze_count():
+        yield 0
+        return
+    gc.freeze()
+    try:
+        yield gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+
+
 def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
+    stats = CompileStats(dynamo_trace_s=dynamo_trace_seconds())
+    with _collecting_only_new_objects() as frozen, stats.collections(frozen):
+        return _compile(gm, example_inputs, options, stats)
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None,
+             stats: CompileStats) -> CompiledStep:
     strategy = parse_options_on_all_ranks(options)
     # The compiled call's arguments as the step sees them: the parameters where Dynamo traced
     # their program placeholders (`dtensor_params`; capture and the plan's key read those
@@ -163,7 +193,6 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     device = check_one_device(arguments)
 
     dump = DebugDump(strategy.debug_dir, strategy.rank)
-    stats = CompileStats(dynamo_trace_s=dynamo_trace_seconds())
     warming = warm_up(strategy.codegen, device)  # in the background, while the step is planned
     planned = planned_step(gm, example_inputs, strategy, dump, stats)
     # Replicated parameters and buffers the model was compiled with, without

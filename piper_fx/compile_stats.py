@@ -9,6 +9,7 @@ backend: its seconds are reported beside the compile's, not in them.
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -46,12 +47,17 @@ class CompileStats:
     (or regions') code came each way (`compiled`, `cache_hit`, `cache_bypass` under
     Inductor, `repeated` for a task or region whose code another of the program has,
     compiled once; `eager`); `dynamo_trace_s`: Dynamo's tracing of the frame before the compile
-    (not in its total; None where Dynamo kept no timing)."""
+    (not in its total; None where Dynamo kept no timing); `gc_s`: the cyclic garbage
+    collector's seconds during the compile (inside its phases' times, not beside them), and
+    `frozen_objects`: how many older objects its collections did not scan (the backend's
+    `_collecting_only_new_objects`)."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     tasks: Counter = field(default_factory=Counter)
     plan: str = "planned"
     dynamo_trace_s: float | None = None
+    gc_s: float = 0.0
+    frozen_objects: int = 0
     _lap_start: float = field(default_factory=time.perf_counter, repr=False)
 
     def _add(self, name: str, seconds: float) -> None:
@@ -65,6 +71,24 @@ class CompileStats:
         finally:
             self._add(name, time.perf_counter() - start)
             self._lap_start = time.perf_counter()
+
+    @contextmanager
+    def collections(self, frozen_objects: int):
+        """Count the garbage collector's time while inside (`gc_s`), `frozen_objects` objects
+        left out of its scans."""
+        self.frozen_objects = frozen_objects
+        started = [0.0]
+
+        def timed(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                self.gc_s += time.perf_counter() - started[0]
+        gc.callbacks.append(timed)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(timed)
 
     def lap(self, name: str) -> None:
         """Count the time since the last phase or lap ended as phase `name` (for phases
@@ -101,6 +125,7 @@ class CompileStats:
     def as_dict(self) -> dict:
         return {"summary": self.summary(), "total_s": self.total_s, "by_kind": self.by_kind(),
                 "seconds": dict(self.seconds), "plan": self.plan, "dynamo_trace_s": self.dynamo_trace_s,
+                "gc_s": self.gc_s, "frozen_objects": self.frozen_objects,
                 "tasks": {kind: count for kind, count in self.tasks.items() if count}}
 
     def summary(self) -> str:
@@ -109,7 +134,8 @@ class CompileStats:
         kinds = ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in self.by_kind().items())
         tasks = ", ".join(f"{count} {kind.replace('_', ' ')}" for kind, count in sorted(self.tasks.items()) if count)
         traced = f"Dynamo trace {self.dynamo_trace_s:.2f} s, then " if self.dynamo_trace_s is not None else ""
-        return f"{traced}compile {self.total_s:.2f} s ({kinds}); plan: {self.plan}; tasks: {tasks or 'none'}"
+        return (f"{traced}compile {self.total_s:.2f} s ({kinds}; garbage collection {self.gc_s:.2f} s within "
+                f"them); plan: {self.plan}; tasks: {tasks or 'none'}")
 
     def render(self) -> str:
         """The summary, then every phase, slowest first."""

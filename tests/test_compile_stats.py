@@ -89,6 +89,8 @@ def test_compile_stats_time_each_phase_and_later_compiles_reuse_the_plan_and_eve
         assert stats["dynamo_trace_s"] > 0
         assert stats["summary"].startswith(f"Dynamo trace {stats['dynamo_trace_s']:.2f} s, then compile "
                                            f"{stats['total_s']:.2f} s (")
+        # Its garbage collections scanned only what it made: the process's own objects were frozen.
+        assert stats["frozen_objects"] > 100_000 and stats["gc_s"] >= 0
     dumped = next((tmp_path / "dumps" / "0").rglob("compile_stats.txt")).read_text()
     assert "plan: planned, cached; tasks: 2 compiled" in dumped.splitlines()[0]
     assert "pass:split_stages" in dumped
@@ -100,6 +102,47 @@ def test_compile_stats_time_each_phase_and_later_compiles_reuse_the_plan_and_eve
     for index, strategy_pass in enumerate(PIPELINE):
         path = dump_path(index, strategy_pass.name)
         assert fresh_graph.joinpath(path).read_text() == cold_graph.joinpath(path).read_text()
+
+
+def _compile_beside_a_freeze(cache_dir: str) -> list[dict]:
+    """In a fresh process: compile the example GPT (eager codegen) and take a step, twice: as
+    it is, then with objects the process froze itself (`gc.freeze`, as before forking data
+    loader workers). Per compile: the process's freeze count before and after it, and what
+    its stats say it froze."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    import gc
+
+    import torch
+
+    import piper_fx
+    from examples.gpt import GPT, GPTConfig
+    from training import SMALL, global_batch
+
+    cfg = GPTConfig(**SMALL)
+    results = []
+    for own_freeze in (False, True):
+        torch._dynamo.reset()
+        step = torch.compile(GPT(cfg), backend="piper", options={"codegen": "eager"})
+        if own_freeze:
+            gc.freeze()
+        before = gc.get_freeze_count()
+        step(*global_batch(0, 4, cfg)).backward()
+        results.append({"before": before, "after": gc.get_freeze_count(),
+                        "frozen": piper_fx.last_compile_stats()["frozen_objects"]})
+        gc.unfreeze()
+    return results
+
+
+def test_a_compile_scans_only_the_objects_it_makes_and_leaves_a_freeze_of_the_process_alone(tmp_path):
+    """While the backend compiles, the objects the process held already are frozen, so that the
+    garbage collections the compile sets off scan only what it made; they are thawed after.
+    Where the process had frozen objects itself, the compile freezes nothing (thawing its own
+    would thaw the process's too) and leaves them frozen."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        plain, beside = pool.apply(_compile_beside_a_freeze, (str(tmp_path / "inductor"),))
+    assert plain["before"] == 0 and plain["frozen"] > 100_000 and plain["after"] == 0, plain
+    # Still frozen after, but for the frozen objects the step let go of (freed, and so no longer counted).
+    assert beside["before"] > 100_000 and beside["frozen"] == 0 and beside["after"] > 0.9 * beside["before"], beside
 
 
 def test_plan_cache_off_plans_every_compile(tmp_path):
