@@ -17,16 +17,17 @@ Beside it, the host's time in each phase of a step (the call, `loss.backward()`,
 host's total is about the step time, the step waits on the host, not the
 device) and, for piper_fx, `last_step_stats()`: its program's wall time, the
 runtime's own share and the step's own work around the program. With
-`--profile`, the profiler's view of a few steps of each side (its warm
-process): the kernels launched and their device time per step, and the host's
-time by operator; with `--trace-dir DIR` too, each side's Chrome trace. With `--same-process`, every side runs in one process instead,
-their rounds alternating (the order reversed every round), for step times and
-host phases under the same process state and load (no compile times), and each
-side's rounds against the `torch.compile` rounds beside them (the median and
-quartiles of those ratios, robust to the host's speed moving within a run): on a CPU
-with a small model (`--device cpu --width 64 --block 32 --rows 2 --n-layer 2`)
-the step is host-bound like the GPU's, which makes it a proxy for the runtime's
-own cost there. A measurement, not a test: nothing here asserts a time.
+`--profile`, the profiler's view of a few steps of each side (its warm process):
+the kernels launched and their device time per step, and the host's time by
+operator; with `--trace-dir DIR` too, each side's Chrome trace. With
+`--same-process`, every side runs in one process instead, their rounds
+alternating (the order reversed every round), for step times and host phases
+under the same process state and load (no compile times), and each side's rounds
+against the `torch.compile` rounds beside them (the median and quartiles of
+those ratios, robust to the host's speed moving within a run): on a CPU with a
+small model (`--device cpu --width 64 --block 32 --rows 2 --n-layer 2`) the step
+is host-bound like the GPU's, which makes it a proxy for the runtime's own cost
+there. A measurement, not a test: nothing here asserts a time.
 """
 from __future__ import annotations
 
@@ -299,8 +300,8 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--profile", action="store_true", help="print the profiler's table of each side "
-                        "(its warm process)")
+    parser.add_argument("--profile", action="store_true", help="print the profiler's view of a few steps of "
+                        "each side (its warm process; with --same-process, after the rounds)")
     parser.add_argument("--trace-dir", default=None, help="with --profile, write each side's Chrome trace "
                         "there (<side>.json)")
     parser.add_argument("--same-process", action="store_true", help="run every side in one process, "
