@@ -20,8 +20,9 @@ the trace are asked for (`last_step_stats()`), not at the end of every step.
 Where the step waits on the host (small, fast kernels), each stamp's host cost
 is the step's: an executor keeps one clock, which reuses the events of
 timelines no longer kept or already read, and records them on the stream it
-looked up once at the step's start (a new event costs the host about 14
-microseconds on an H200's machine, recording a kept one on a given stream 2).
+looked up once at the step's start (on an H200's machine, a new event recorded
+on the current stream cost the host 8-14 microseconds, a kept one recorded on a
+given stream 2).
 
 In-task collectives are timed only with the option `profile` (otherwise their
 waits count as the task's compute): eager task graphs then call
