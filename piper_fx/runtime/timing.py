@@ -52,8 +52,6 @@ _LANES = {COMPUTE: 0, COMM: 1, COMM_WAIT: 2}
 class HostClock:
     """Stamps in the host's nanoseconds: where work runs as the host issues it (the CPU)."""
 
-    reuses_stamps = False
-
     def begin(self) -> None:
         pass
 
@@ -76,8 +74,6 @@ class StreamClock:
     stream the step's work goes to; the events of a step's timeline come back to the
     clock (`release`) once it was read or is no longer kept, and are recorded again by
     a later step."""
-
-    reuses_stamps = True
 
     def __init__(self, device_module: Any):
         self.events = device_module
@@ -174,7 +170,7 @@ class StepTimeline:
         return self
 
     def __del__(self):
-        if not self._resolved and self.clock.reuses_stamps:  # never read: a later step records them again
+        if not self._resolved:  # never read: a later step records them again
             self.clock.release(self._stamps())
 
     def stats(self) -> dict:
