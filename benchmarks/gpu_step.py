@@ -192,7 +192,7 @@ def _same_process(args: argparse.Namespace) -> int:
             train_step, sync = steps[side]
             train_step(0)
             sync()
-            print(f"{side} last_step_stats: " + _piper_stats())
+            print(f"{side} last_step_stats: " + _render_stats(_piper_stats()))
     if args.profile:
         for side in sides:
             train_step, sync = steps[side]
@@ -200,21 +200,22 @@ def _same_process(args: argparse.Namespace) -> int:
     return 0
 
 
-def _piper_stats() -> str:
+# What each piper_fx side reports of `last_step_stats()`.
+PIPER_STATS = ("step_s", "runtime_s", "runtime_fraction", "step_call_s", "overhead_fraction", "instructions")
+
+
+def _piper_stats() -> dict:
     import piper_fx
 
     stats = piper_fx.last_step_stats()
-    return ", ".join(f"{k}={stats[k] * 1e3:.3f} ms" if k.endswith("_s") else f"{k}={stats[k]:.3g}"
-                     for k in ("step_s", "runtime_s", "runtime_fraction", "step_call_s", "overhead_fraction",
-                               "instructions"))
+    return {key: stats[key] for key in PIPER_STATS}
+
+
+def _render_stats(stats: dict) -> str:
+    return ", ".join(f"{k}={v * 1e3:.3f} ms" if k.endswith("_s") else f"{k}={v:.3g}" for k, v in stats.items())
 
 
 def _worker(args: argparse.Namespace) -> dict:
-    import torch
-
-    import piper_fx
-
-    device = torch.device(args.device)
     train_step, sync = _side(args.side, args)
     sync()
     start = time.perf_counter()
@@ -242,9 +243,7 @@ def _worker(args: argparse.Namespace) -> dict:
     loss = train_step(i)
     result["loss"] = loss.item()
     if args.side.startswith("piper"):
-        stats = piper_fx.last_step_stats()
-        result["piper"] = {key: stats[key] for key in ("step_s", "runtime_s", "runtime_fraction", "step_call_s",
-                                                        "overhead_fraction", "instructions")}
+        result["piper"] = _piper_stats()
     if args.profile:
         result["profile"] = _profile(args.side, train_step, sync, i + 1, args)
     return result
@@ -355,8 +354,7 @@ def main() -> int:
                   + f"; {collected['objects']} objects tracked")
         for r in results:
             if "piper" in r:
-                print(f"{side} last_step_stats: " + ", ".join(
-                    f"{k}={v * 1e3:.3f} ms" if k.endswith("_s") else f"{k}={v:.3g}" for k, v in r["piper"].items()))
+                print(f"{side} last_step_stats: " + _render_stats(r["piper"]))
             if "profile" in r:
                 print(f"{side} profile ({PROFILED_STEPS} steps): {r['profile']}")
     return 0
