@@ -125,6 +125,26 @@ def local_tensor(dtensor: DTensor) -> torch.Tensor:
     return dtensor._local_tensor
 
 
+def dtensor_op_handlers() -> dict:
+    """DTensor's per-op handlers, `{op: handler(op, args, kwargs)}`, which its dispatch calls
+    in place of its own for those ops (torch's loss parallelism installs its losses' there).
+    Public: none."""
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def dtensor_dispatch(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    """`op` run through DTensor's own dispatch, from within a handler of it: the handler is out
+    of the table for the call (in another thread meanwhile, the op goes through DTensor's own
+    dispatch too, which computes the same). Public: none."""
+    handlers = dtensor_op_handlers()
+    handler = handlers.pop(op, None)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        if handler is not None:
+            handlers[op] = handler
+
+
 def accumulates_in_this_backward(node: torch.autograd.graph.Node | None) -> bool:
     """Whether `node` is a leaf's AccumulateGrad that the backward now running executes:
     True under `backward()`, False for a leaf that `backward(inputs=...)` leaves out and

@@ -9,12 +9,14 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .compat import maybe_mark_dynamic
 from .errors import PiperConfigError
 from .options import Strategy, parse_options_on_all_ranks
 from .sharding.dtensor_params import replicate_parameters
 from .sharding.experts import expert_parameters, is_expert_parameter, shard_experts
+from .sharding.fused_optimizers import step_fused_optimizers_on_local_tensors
 from .sharding.holdings import Holding, held_parameters, hide_released_parameters, record_holding
 from .sharding.mesh import dp_group_name, expert_replica_group_name, strategy_mesh
 from .sharding.replicas import broadcast_from_first_replica
@@ -68,6 +70,8 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     if strategy.dp > 1:
         replicate_parameters(model, strategy_mesh(strategy)["dp"])
     record_holdings(model, strategy)
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        step_fused_optimizers_on_local_tensors()
     if strategy.pp > 1:  # compiling releases the parameters of other ranks' stages
         hide_released_parameters(model)
     if strategy.microbatches > 1:
