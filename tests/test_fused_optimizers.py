@@ -4,6 +4,7 @@ import pytest
 
 from optimizer_workers import FUSED, STEPS, fused_step_fallback_worker, fused_step_worker
 from ranks import run_ranks
+from test_parity import ADAMW_PARAM_RTOL, LOSS_RTOL
 
 
 @pytest.mark.parametrize("zero", [0, 3])
@@ -21,3 +22,12 @@ def test_other_fused_steps_go_through_dtensor_dispatch():
         for case, run in report.items():
             assert run["calls"] == STEPS and run["local_calls"] == 0, (rank, case, run)
             assert run["equal"], (rank, case, run)
+
+
+@pytest.mark.parametrize("world, zero", [(2, 0), (4, 3)])
+def test_training_with_a_fused_adamw_matches_single_process(world, zero):
+    from training import train_and_compare
+    for rank, run in enumerate(run_ranks(train_and_compare, world, {"zero": zero, "codegen": "eager"}, "adamw_fused", 3)):
+        assert max(run["loss_errors"]) < LOSS_RTOL, (rank, run["loss_errors"])
+        worst = max(run["param_errors"], key=run["param_errors"].get)
+        assert run["param_errors"][worst] < ADAMW_PARAM_RTOL, (rank, worst, run["param_errors"][worst])
