@@ -92,16 +92,35 @@ class _NotLocal(Exception):
 
 
 def _spec(param: object):
-    """A parameter's spec, which every tensor of its index shares."""
-    if not isinstance(param, DTensor) or any(placement.is_partial() for placement in param._spec.placements):
+    """A parameter's spec, which every tensor of its index shares: its placements none `Partial`."""
+    if not isinstance(param, DTensor):
         raise _NotLocal
-    return param._spec
+    spec = param._spec
+    if not _without_partial(spec.placements):
+        raise _NotLocal
+    return spec
+
+
+# Placements found without `Partial`, by identity: a parameter's spec, and so its placements, is
+# the same object step after step (checking them anew costs a microsecond a parameter).
+_WITHOUT_PARTIAL: dict[int, tuple] = {}
+
+
+def _without_partial(placements: tuple) -> bool:
+    if _WITHOUT_PARTIAL.get(id(placements)) is placements:
+        return True
+    if any(placement.is_partial() for placement in placements):
+        return False
+    if len(_WITHOUT_PARTIAL) > 4096:  # placements of parameters long gone
+        _WITHOUT_PARTIAL.clear()
+    _WITHOUT_PARTIAL[id(placements)] = placements
+    return True
 
 
 def _like_parameters(tensors: list, specs: list) -> list:
     """The local tensors of a list shaped like the parameters: each a DTensor of its
     parameter's mesh and placements. Empty where the optimizer keeps none (no
-    `max_exp_avg_sqs` without amsgrad, no momentum buffers without momentum)."""
+    `max_exp_avg_sqs` without amsgrad)."""
     if not tensors:
         return tensors
     if len(tensors) != len(specs):
@@ -111,7 +130,9 @@ def _like_parameters(tensors: list, specs: list) -> list:
         if not isinstance(tensor, DTensor):
             raise _NotLocal
         own = tensor._spec
-        if own is not spec and (own.mesh != spec.mesh or own.placements != spec.placements):
+        if own is not spec and (
+                (own.mesh is not spec.mesh and own.mesh != spec.mesh)
+                or (own.placements is not spec.placements and own.placements != spec.placements)):
             raise _NotLocal
         local.append(tensor._local_tensor)
     return local
