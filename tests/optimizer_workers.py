@@ -68,33 +68,36 @@ def _train(model, opt, rank: int, gradients) -> None:
         opt.zero_grad()
 
 
+def _like_the_parameter(p, g) -> DTensor:
+    """A gradient as the hand-over gives it: a DTensor of the parameter's spec."""
+    return dtensor_like(torch.randn(p.to_local().shape, generator=g), p)
+
+
+def _against_dtensor_dispatch(build, make_optimizer, rank: int, gradients) -> dict:
+    """Two models from `build` trained alike, one through DTensor's own dispatch of the fused
+    ops: how many calls ran on the local tensors, of how many, and whether every parameter
+    and state ended bitwise equal."""
+    model, reference = build(), build()
+    opt, ref_opt = make_optimizer(list(model.parameters())), make_optimizer(list(reference.parameters()))
+    with _recorded() as calls:
+        _train(model, opt, rank, gradients)
+    with _dtensor_dispatch():
+        _train(reference, ref_opt, rank, gradients)
+    return {"local_calls": sum(calls), "calls": len(calls),
+            "equal": all(torch.equal(a, b) for a, b in zip(_local_state(model, opt), _local_state(reference, ref_opt)))}
+
+
+def _prepared(zero: int):
+    torch.manual_seed(0)
+    return piper_fx.prepare(GPT(GPTConfig(**SMALL)), {"zero": zero})
+
+
 def fused_step_worker(rank: int, world: int, zero: int) -> dict:
     """Per fused optimizer: a prepared model's steps with the fused op run on the local tensors,
     against the same steps through DTensor's own dispatch, from the same parameters and
-    gradients (DTensors of each parameter's spec, as the hand-over gives them). Returns, per
-    optimizer, how many calls ran on the local tensors, of how many, and whether every
-    parameter and state ended bitwise equal."""
-
-    def prepared():
-        torch.manual_seed(0)
-        model = GPT(GPTConfig(**SMALL))
-        return piper_fx.prepare(model, {"zero": zero})
-
-    def like_the_parameter(p, g):
-        return dtensor_like(torch.randn(p.to_local().shape, generator=g), p)
-
-    report = {}
-    for name, make in FUSED.items():
-        model, reference = prepared(), prepared()
-        opt, ref_opt = make(list(model.parameters())), make(list(reference.parameters()))
-        with _recorded() as calls:
-            _train(model, opt, rank, like_the_parameter)
-        with _dtensor_dispatch():
-            _train(reference, ref_opt, rank, like_the_parameter)
-        report[name] = {"local_calls": sum(calls), "calls": len(calls),
-                        "equal": all(torch.equal(a, b) for a, b in
-                                     zip(_local_state(model, opt), _local_state(reference, ref_opt)))}
-    return report
+    gradients (`_against_dtensor_dispatch`)."""
+    return {name: _against_dtensor_dispatch(lambda: _prepared(zero), make, rank, _like_the_parameter)
+            for name, make in FUSED.items()}
 
 
 def fused_step_fallback_worker(rank: int, world: int) -> dict:
@@ -103,34 +106,19 @@ def fused_step_fallback_worker(rank: int, world: int) -> dict:
     FSDP2's), and gradients placed unlike their parameter (`Shard(0)` for a `Replicate()` one)."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world,))
-    report = {}
 
     def own_dtensors():
         torch.manual_seed(0)
-        return torch.nn.ModuleList([torch.nn.Linear(8, 4)]).apply(
-            lambda m: [m.register_parameter(n, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
-                       for n, p in list(m.named_parameters(recurse=False))])
-
-    def whole(p, g):
-        return dtensor_like(torch.randn(p.to_local().shape, generator=g), p)
+        linear = torch.nn.Linear(8, 4)
+        for name, p in list(linear.named_parameters()):
+            linear.register_parameter(name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate()])))
+        return linear
 
     def sharded(p, g):
         grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(7))  # the same on every rank
         return distribute_tensor(grad, p.device_mesh, [Shard(0)]) if p.dim() else dtensor_like(grad, p)
 
-    def prepared():
-        torch.manual_seed(0)
-        return piper_fx.prepare(GPT(GPTConfig(**SMALL)), {"zero": 0})
-
-    for name, build, gradients in (("not laid out by piper_fx", own_dtensors, whole),
-                                   ("gradient placed otherwise", prepared, sharded)):
-        model, reference = build(), build()
-        opt, ref_opt = FUSED["adamw"](list(model.parameters())), FUSED["adamw"](list(reference.parameters()))
-        with _recorded() as calls:
-            _train(model, opt, rank, gradients)
-        with _dtensor_dispatch():
-            _train(reference, ref_opt, rank, gradients)
-        report[name] = {"local_calls": sum(calls), "calls": len(calls),
-                        "equal": all(torch.equal(a, b) for a, b in
-                                     zip(_local_state(model, opt), _local_state(reference, ref_opt)))}
-    return report
+    return {"not laid out by piper_fx": _against_dtensor_dispatch(own_dtensors, FUSED["adamw"], rank,
+                                                                  _like_the_parameter),
+            "gradient placed otherwise": _against_dtensor_dispatch(lambda: _prepared(0), FUSED["adamw"], rank,
+                                                                   sharded)}
