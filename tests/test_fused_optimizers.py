@@ -27,7 +27,8 @@ def test_other_fused_steps_go_through_dtensor_dispatch():
 @pytest.mark.parametrize("world, zero", [(2, 0), (4, 3)])
 def test_training_with_a_fused_adamw_matches_single_process(world, zero):
     from training import train_and_compare
-    for rank, run in enumerate(run_ranks(train_and_compare, world, {"zero": zero, "codegen": "eager"}, "adamw_fused", 3)):
+    options = {"zero": zero, "codegen": "eager"}
+    for rank, run in enumerate(run_ranks(train_and_compare, world, options, "adamw_fused", 3)):
         assert max(run["loss_errors"]) < LOSS_RTOL, (rank, run["loss_errors"])
         worst = max(run["param_errors"], key=run["param_errors"].get)
         assert run["param_errors"][worst] < ADAMW_PARAM_RTOL, (rank, worst, run["param_errors"][worst])
