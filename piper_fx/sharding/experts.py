@@ -68,5 +68,4 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> None:
         setattr(shard, INFO_ATTR, ShardedParameter((fqn,), layout, group_name, mesh_dim="ep"))
         module._parameters[name] = shard
         full_shape = list(layout.full_shape)
-        read_through(module, name, program_placeholder(shard, fqn),
-                     lambda block, full_shape=full_shape: UNSHARD_EXPERTS(block, full_shape, group_name))
+        read_through(module, name, program_placeholder(shard, fqn), (UNSHARD_EXPERTS, full_shape, group_name))

@@ -150,5 +150,4 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, keep: Callable[[nn.Para
         placeholder = program_placeholder(shard, holders[0][0])
         for _, module, name in holders:
             module._parameters[name] = shard
-            read_through(module, name, placeholder,
-                         lambda rows, full_shape=full_shape: UNSHARD(rows, full_shape, group_name))
+            read_through(module, name, placeholder, (UNSHARD, full_shape, group_name))
