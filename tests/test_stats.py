@@ -127,19 +127,19 @@ def test_two_models_compiled_in_one_process_keep_their_own_stats():
     x, y = global_batch(0, 4, small.cfg)
     run_small(x, y).backward()
     small_stats = piper_fx.last_step_stats()
-    assert steps["small"].last_run.stats == small_stats
+    assert steps["small"].step.last_run.stats == small_stats
     run_deep(x, y).backward()
     deep_stats = piper_fx.last_step_stats()
-    assert deep_stats == steps["deep"].last_run.stats
-    assert piper_fx.last_step_trace() == steps["deep"].last_run.trace()
+    assert deep_stats == steps["deep"].step.last_run.stats
+    assert piper_fx.last_step_trace() == steps["deep"].step.last_run.trace()
     # The deep model's run replaced neither the small step's stats nor its trace.
-    assert steps["small"].last_run.stats == small_stats
-    assert {e["name"] for e in steps["small"].last_run.trace()["traceEvents"] if e.get("cat") == "compute"} == \
+    assert steps["small"].step.last_run.stats == small_stats
+    assert {e["name"] for e in steps["small"].step.last_run.trace()["traceEvents"] if e.get("cat") == "compute"} == \
         {"F0.0", "B0.0"}
     assert small_stats["instructions"] == 2 and deep_stats["instructions"] == 4, (small_stats, deep_stats)
     assert deep_stats["peak_activation_bytes"] > 0 and small_stats["peak_activation_bytes"] > 0
     run_small(x, y).backward()
-    assert piper_fx.last_step_stats() == steps["small"].last_run.stats != small_stats  # a new run, new times
+    assert piper_fx.last_step_stats() == steps["small"].step.last_run.stats != small_stats  # a new run, new times
 
 
 def test_memory_counted_until_two_runs_agree_is_what_counting_every_run_reports():
@@ -165,14 +165,14 @@ def test_memory_counted_until_two_runs_agree_is_what_counting_every_run_reports(
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for i in range(5):
             if name == "counted" and name in steps:
-                steps[name].executor.profile = None  # count this run too
+                steps[name].step.executor.profile = None  # count this run too
             x, y = global_batch(i, 4, model.cfg)
             run(x, y).backward()
             stats[name].append(piper_fx.last_step_stats())
             opt.step()
             if i % 2:  # gradients of the step before are held through the next one
                 opt.zero_grad()
-    assert steps["profiled"].executor.profile is not None
+    assert steps["profiled"].step.executor.profile is not None
     for profiled, counted in zip(stats["profiled"], stats["counted"], strict=True):
         assert profiled["memory"] == counted["memory"], (profiled["memory"], counted["memory"])
         assert profiled["peak_activation_bytes"] == counted["peak_activation_bytes"]

@@ -318,7 +318,7 @@ def message_batches_worker(rank: int, world: int, schedules: list[str]) -> dict:
 
             calls.clear()
             torch.compile(model, backend=backend)(*global_batch(0, 8, cfg)).backward()
-            instructions = compiled[0].executor.program.instructions
+            instructions = compiled[0].step.executor.program.instructions
             results[schedule] = {
                 "calls": list(calls),
                 "messages": [("send" if isinstance(i, Send) else "recv", i.peer) for i in instructions
