@@ -10,6 +10,7 @@ import piper_fx
 from examples.gpt import GPT, GPTConfig
 from piper_fx import PiperError
 from piper_fx.passes import PIPELINE, dump_path
+from piper_fx.runtime.step import CompiledStep
 from training import SMALL, global_batch
 
 EAGER = {"codegen": "eager"}
@@ -46,6 +47,43 @@ def test_world_size_one_trains_like_eager(zero):
         torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_the_step_is_compiled_on_its_first_call_after_dynamo_has_timed_its_guards(monkeypatch):
+    """The backend checks the options and returns; Dynamo then builds the frame's guards and times
+    them after flushing the CPU's caches with a 32 MB buffer; only then does the step's first
+    call plan and compile it, so no compile is held beside that buffer (`DeferredStep`)."""
+    import torch._dynamo.guards as guards
+    from piper_fx import backend
+
+    events, returned = [], []
+    profile_guards, compile_step, piper_backend = guards.profile_guard_manager, backend._compile, backend.piper_backend
+
+    def timing_guards(*args):
+        events.append("guards timed")
+        return profile_guards(*args)
+
+    def compiling(*args):
+        events.append("compiled")
+        return compile_step(*args)
+
+    def returning(*args, **kwargs):
+        returned.append(piper_backend(*args, **kwargs))
+        events.append("backend returned")
+        return returned[-1]
+
+    monkeypatch.setattr(guards, "profile_guard_manager", timing_guards)
+    monkeypatch.setattr(backend, "_compile", compiling)
+    torch._dynamo.reset()
+    model, reference = _model(), _model()
+    step = torch.compile(model, backend=returning, options=EAGER)
+    x, y = global_batch(0, 2, model.cfg)
+    torch.testing.assert_close(step(x, y), reference(x, y), rtol=1e-6, atol=0)
+    assert events == ["backend returned", "guards timed", "compiled"]
+    assert isinstance(returned[0].step, CompiledStep)
+    step(x, y)
+    assert events == ["backend returned", "guards timed", "compiled"]  # once
+    torch._dynamo.reset()
 
 
 def test_seed_scaling_and_accumulation_follow_autograd():
