@@ -219,7 +219,14 @@ class DeferredStep:
 
 def _compile(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, device: torch.device | None,
              dump: DebugDump, warming, stats: CompileStats) -> CompiledStep:
-    with _collecting_only_new_objects() as frozen, stats.collections(frozen):
+    """The step, planned and compiled. Torch's random state (the CPU's generator, and the
+    model's device's) is put back after, as Dynamo puts it back around a backend: a compile
+    draws the dropout seed from it (`philox.draw_seed`) without moving the stream the
+    training loop draws from."""
+    accelerator = device is not None and device.type not in ("cpu", "meta")
+    random_state_kept = torch.random.fork_rng(devices=[device] if accelerator else [],
+                                              device_type=device.type if accelerator else None)
+    with random_state_kept, _collecting_only_new_objects() as frozen, stats.collections(frozen):
         return _compile_step(gm, example_inputs, strategy, device, dump, warming, stats)
 
 

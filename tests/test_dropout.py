@@ -174,3 +174,30 @@ def test_random_ops_become_philox_of_a_per_microbatch_input():
     # Without dropout the graph is left as captured, with no new input.
     before, dag = _captured(0.0)
     assert dag.joint.code == before and InputRole.RNG not in {i.role for i in dag.inputs}
+
+
+def test_compiling_leaves_torch_s_random_stream_where_it_was():
+    """The step draws its dropout seed from torch's generator when it is compiled (on its
+    first call) and puts the generator back, as Dynamo does around a backend: the
+    stream a training loop draws from (shuffling, noise) runs on as it would without it, and
+    the same seed before compiling still gives the same dropout."""
+    from models import DropoutMLP, batch
+
+    def first_step_then_draw(seed: int):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = DropoutMLP(P)
+        step = torch.compile(model, backend="piper", options={"codegen": "eager"})
+        x, y = batch(0, BATCH)
+        torch.manual_seed(seed)
+        loss = step(x, y)
+        return loss.detach(), torch.rand(4)
+
+    torch.manual_seed(1)
+    expected = torch.rand(4)
+    loss, drawn = first_step_then_draw(1)
+    torch.testing.assert_close(drawn, expected, rtol=0, atol=0)
+    again, _ = first_step_then_draw(1)
+    other, _ = first_step_then_draw(2)
+    assert torch.equal(loss, again) and not torch.equal(loss, other)  # the seed still comes from the stream
+    torch._dynamo.reset()
