@@ -176,7 +176,7 @@ def test_random_ops_become_philox_of_a_per_microbatch_input():
     assert dag.joint.code == before and InputRole.RNG not in {i.role for i in dag.inputs}
 
 
-def test_compiling_leaves_torch_s_random_stream_where_it_was():
+def test_compiling_leaves_the_global_random_stream_where_it_was():
     """The step draws its dropout seed from torch's generator when it is compiled (on its
     first call) and puts the generator back, as Dynamo does around a backend: the
     stream a training loop draws from (shuffling, noise) runs on as it would without it, and
