@@ -205,7 +205,13 @@ class DeferredStep:
     the example GPT: 379 MB held, 411 MB peak warm; 404 and 436 MB cold). Compiled here, what
     Dynamo's compile holds is its trace alone. Every rank calls the step as soon as Dynamo
     has compiled its frame, as it did the backend, so the ranks' collectives while planning
-    keep their order, and a compile's errors are raised from the same first call."""
+    keep their order, and a compile's errors are raised from the same first call.
+
+    Slotted: Dynamo wraps the step in a function that copies the step's `__dict__` into its
+    own (`functools.wraps`), which would keep the build, and with it Dynamo's graph and its
+    fake values, for the life of the compiled frame."""
+
+    __slots__ = ("_build", "step")
 
     def __init__(self, build):
         self._build = build

@@ -1,7 +1,9 @@
 """The `piper` backend at world size 1: contract details, dumps, errors."""
 import copy
+import gc
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -52,11 +54,12 @@ def test_world_size_one_trains_like_eager(zero):
 def test_the_step_is_compiled_on_its_first_call_after_dynamo_has_timed_its_guards(monkeypatch):
     """The backend checks the options and returns; Dynamo then builds the frame's guards and times
     them after flushing the CPU's caches with a 32 MB buffer; only then does the step's first
-    call plan and compile it, so no compile is held beside that buffer (`DeferredStep`)."""
+    call plan and compile it, so no compile is held beside that buffer (`DeferredStep`). Once it
+    has, Dynamo's graph is let go (Dynamo's wrapper of the step copies its attributes)."""
     import torch._dynamo.guards as guards
     from piper_fx import backend
 
-    events, returned = [], []
+    events, returned, traced = [], [], []
     profile_guards, compile_step, piper_backend = guards.profile_guard_manager, backend._compile, backend.piper_backend
 
     def timing_guards(*args):
@@ -67,8 +70,9 @@ def test_the_step_is_compiled_on_its_first_call_after_dynamo_has_timed_its_guard
         events.append("compiled")
         return compile_step(*args)
 
-    def returning(*args, **kwargs):
-        returned.append(piper_backend(*args, **kwargs))
+    def returning(gm, example_inputs, **kwargs):
+        traced.append(weakref.ref(gm))
+        returned.append(piper_backend(gm, example_inputs, **kwargs))
         events.append("backend returned")
         return returned[-1]
 
@@ -83,6 +87,8 @@ def test_the_step_is_compiled_on_its_first_call_after_dynamo_has_timed_its_guard
     assert isinstance(returned[0].step, CompiledStep)
     step(x, y)
     assert events == ["backend returned", "guards timed", "compiled"]  # once
+    gc.collect()
+    assert traced[0]() is None  # once built, nothing holds Dynamo's graph (nor its fake values) for the step
     torch._dynamo.reset()
 
 
