@@ -191,7 +191,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     device = check_one_device(arguments)
     dump = DebugDump(strategy.debug_dir, strategy.rank)  # named by Dynamo's compile id, known only now
     warming = warm_up(strategy.codegen, device)  # in the background, while Dynamo ends and the step is planned
-    return DeferredStep(lambda: _compile(gm, example_inputs, strategy, device, dump, warming, stats))
+    return DeferredStep(lambda: _compile(gm, example_inputs, arguments, strategy, device, dump, warming, stats))
 
 
 class DeferredStep:
@@ -223,8 +223,8 @@ class DeferredStep:
         return self.step(*args)
 
 
-def _compile(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, device: torch.device | None,
-             dump: DebugDump, warming, stats: CompileStats) -> CompiledStep:
+def _compile(gm: fx.GraphModule, example_inputs: list, arguments: list, strategy: Strategy,
+             device: torch.device | None, dump: DebugDump, warming, stats: CompileStats) -> CompiledStep:
     """The step, planned and compiled. Torch's random state (the CPU's generator, and the
     model's device's) is put back after, as Dynamo puts it back around a backend: a compile
     draws the dropout seed from it (`philox.draw_seed`) without moving the stream the
@@ -233,13 +233,12 @@ def _compile(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, devic
     random_state_kept = torch.random.fork_rng(devices=[device] if accelerator else [],
                                               device_type=device.type if accelerator else None)
     with random_state_kept, _collecting_only_new_objects() as frozen, stats.collections(frozen):
-        return _compile_step(gm, example_inputs, strategy, device, dump, warming, stats)
+        return _compile_step(gm, example_inputs, arguments, strategy, device, dump, warming, stats)
 
 
-def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, device: torch.device | None,
-                  dump: DebugDump, warming, stats: CompileStats) -> CompiledStep:
-    placeholders = [i for i, t in enumerate(example_inputs) if stood_for(t) is not t]
-    arguments = [stood_for(t) for t in example_inputs]
+def _compile_step(gm: fx.GraphModule, example_inputs: list, arguments: list, strategy: Strategy,
+                  device: torch.device | None, dump: DebugDump, warming, stats: CompileStats) -> CompiledStep:
+    placeholders = [i for i, (t, argument) in enumerate(zip(example_inputs, arguments)) if argument is not t]
     planned = planned_step(gm, example_inputs, strategy, dump, stats)
     # Replicated parameters and buffers the model was compiled with, without
     # `prepare`: start every replica from the first one's values, as DDP does.

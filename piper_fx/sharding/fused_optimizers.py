@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..compat import dtensor_dispatch, dtensor_op_handlers
+from ..compat import dtensor_dispatch, dtensor_op_handlers, local_tensor
 from .holdings import has_holding
 
 # The optimizers' fused in-place ops that DTensor has a sharding strategy for (it refuses fused SGD
@@ -134,7 +134,7 @@ def _like_parameters(tensors: list, specs: list) -> list:
                 (own.mesh is not spec.mesh and own.mesh != spec.mesh)
                 or (own.placements is not spec.placements and own.placements != spec.placements)):
             raise _NotLocal
-        local.append(tensor._local_tensor)
+        local.append(local_tensor(tensor))
     return local
 
 
@@ -145,4 +145,4 @@ def _scalar(value: object) -> object:
         return value
     if not all(placement.is_replicate() for placement in value._spec.placements):
         raise _NotLocal
-    return value._local_tensor
+    return local_tensor(value)
