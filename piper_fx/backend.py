@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import plan_cache
-from .capture import capture
+from .capture import capture, keep_input_sources
 from .codegen import compile_program, fewest_regions, prepare, warm_up
 from .compat import dynamo_trace_seconds
 from .compile_stats import CompileStats, record
@@ -182,6 +182,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     arguments, starts the code generator's warm-up, and returns the step, which plans and
     compiles itself on its first call (`DeferredStep`)."""
     stats = CompileStats(dynamo_trace_s=dynamo_trace_seconds())
+    keep_input_sources(gm)  # which inputs are buffers: Dynamo forgets once it is done with the frame
     strategy = parse_options_on_all_ranks(options)
     # The compiled call's arguments as the step sees them: the parameters where Dynamo traced
     # their program placeholders (`dtensor_params`; capture and the plan's key read those

@@ -21,7 +21,7 @@ from .compat import (FakeTensorMode, ShapeEnv, TracingContext, aot_descriptors a
 from .collectives.emit import INHERITED_META
 from .errors import PiperError
 from .ir import GraphInput, GraphOutput, InputRole, OutputRole, TrainingDAG
-from .ops import LAYER
+from .ops import LAYER, SOURCE
 from .options import MixedPrecision, Strategy
 from .sharding.dtensor_params import is_replicated_parameter, placeholder_name, program_tensor, stood_for
 from .sharding.experts import EXPERT_ATTR, UNSHARD_EXPERTS
@@ -32,14 +32,24 @@ _SOURCE_KEY = re.compile(r"\['([^']+)'\]")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
 
 
+def keep_input_sources(gm: fx.GraphModule) -> None:
+    """Keep the name of each placeholder's source on the node (`ops.SOURCE`), where Dynamo
+    still has it (its `grapharg`, which it deletes once it has compiled the frame): the
+    backend calls this before it returns, since the step plans on its first call; `capture`
+    too, for callers that capture inside a backend."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+        if callable(name):
+            name = name()
+        if isinstance(name, str):
+            node.meta[SOURCE] = name
+
+
 def _fqn_from_source(node: fx.Node) -> tuple[str | None, bool]:
-    """Model-relative name of a lifted parameter/buffer, and whether it is a buffer."""
-    grapharg = node.meta.get("grapharg")
-    source = getattr(grapharg, "source", None)
-    name = getattr(source, "name", None)
-    if callable(name):
-        name = name()
-    if not isinstance(name, str):
+    """Model-relative name of a lifted parameter/buffer, and whether it is a buffer
+    (from the source `keep_input_sources` kept)."""
+    name = node.meta.get(SOURCE)
+    if name is None:
         return None, False
     parts = _SOURCE_KEY.findall(name)
     attrs = re.findall(r"\.(\w+)\[", name)
@@ -256,10 +266,12 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     """Trace `gm` into a joint graph and describe its inputs and outputs.
 
     Requires: `gm` is a whole Dynamo graph (no graph break) whose first output is
-    the scalar loss when training. Guarantees: a `TrainingDAG` whose joint graph
+    the scalar loss when training, with its inputs' sources (`keep_input_sources`, here
+    if Dynamo still has them). Guarantees: a `TrainingDAG` whose joint graph
     takes its placeholders in order and returns exactly `dag.outputs` as a flat tuple,
     each node a unit's forward runs or differentiates marked with that unit (`ops.LAYER`).
     """
+    keep_input_sources(gm)
     dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     gm, traced_inputs, arg_indices = _specialize_to_microbatch(gm, example_inputs, strategy.microbatches)
     dynamo_placeholders = [dynamo_placeholders[i] for i in arg_indices]

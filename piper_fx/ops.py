@@ -137,3 +137,8 @@ COMM_NOTE = "piper_comm"
 PLACED = "piper_placed"
 # On a copy `checkpoint_activations` made to recompute a forward value in the backward: that value.
 RECOMPUTES = "piper_recomputes"
+# On each placeholder of Dynamo's graph: the name of its input's source, as Dynamo names it
+# (`L['self']._modules['rotary']._buffers['inv_freq']`), which tells a buffer from a batch
+# argument. Kept by the backend (`capture.keep_input_sources`): Dynamo deletes its own record
+# of it (`grapharg`) once the frame's compile ends, before the step's first call plans the step.
+SOURCE = "piper_source"

@@ -11,7 +11,8 @@ ranks, runs and processes), keyed by everything planning reads:
 
   - the Dynamo graph: each node's op, target, arguments, the metadata planning
     reads (annotations: `custom`, piper_fx's regions by their order; module
-    paths and classes: `nn_module_stack`) and its example value's shape,
+    paths and classes: `nn_module_stack`; a placeholder's source, `ops.SOURCE`)
+    and its example value's shape,
     stride, dtype and device;
   - each example input: its kind (parameter, buffer, batch), shape, stride,
     dtype, device, whether it requires grad, its DTensor placements and mesh,
@@ -54,7 +55,7 @@ from .annotate import KINDS as REGION_KINDS
 from .compat import (FakeTensorMode, ShapeEnv, inductor_cache_dir, load_graphs, pickle_graphs, qualified_name,
                      resolve_process_group)
 from .ir import GraphInput, GraphOutput, InputRole, RankProgram, TrainingDAG
-from .ops import META_PREFIX
+from .ops import META_PREFIX, SOURCE
 from .options import Strategy
 from .passes.functionalize_random import random_input
 from .sharding.dtensor_params import placeholder_name, stood_for
@@ -207,6 +208,8 @@ def _add_all(add, gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
             custom = {key: regions[key].setdefault(value, len(regions[key])) if key in regions else value
                       for key, value in node.meta["custom"].items()}
             add(f"custom={custom!r}")
+        if SOURCE in node.meta:  # a placeholder's: which inputs are the model's buffers
+            add(f"source={node.meta[SOURCE]}")
         if "nn_module_stack" in node.meta:  # keyed by the modules' ids: their paths and classes alone
             add(repr([(path, _class_name(cls)) for path, cls in node.meta["nn_module_stack"].values()]))
         add(_describe_value(node.meta.get("example_value")))

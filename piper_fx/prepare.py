@@ -75,7 +75,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     if strategy.pp > 1:  # compiling releases the parameters of other ranks' stages
         hide_released_parameters(model)
     if strategy.microbatches > 1:
-        model.register_forward_pre_hook(_mark_batch_dimension_dynamic)
+        model.register_forward_pre_hook(_mark_batch_dimension_dynamic, with_kwargs=True)
     setattr(model, _LAYOUT_ATTR, strategy.layout_key())
     return model
 
@@ -106,10 +106,10 @@ def _check_experts(experts: dict[str, nn.Parameter], ep: int) -> None:
 
 
 @torch.compiler.disable
-def _mark_batch_dimension_dynamic(module: nn.Module, args: tuple) -> None:
+def _mark_batch_dimension_dynamic(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """Runs outside Dynamo before each call: batch sizes reach the backend as
     SymInts, so it can trace the model at microbatch size (see capture)."""
-    for arg in args:
+    for arg in (*args, *kwargs.values()):
         if isinstance(arg, torch.Tensor) and arg.dim() > 0:
             maybe_mark_dynamic(arg, 0)
 

@@ -66,7 +66,27 @@ class CrossStageMLP(nn.Module):
         return F.mse_loss(self.head(h), y)
 
 
-MODELS = {"skip": SkipAcrossStages, "two_streams": TwoStreams, "cross": CrossStageMLP}
+class ScaledByBuffers(nn.Module):
+    """PP regions that read the model's buffers: a persistent one and one that is not (as Hugging
+    Face's rotary `inv_freq`). Buffers are the model's state, read whole by every microbatch;
+    one taken for a batch argument would be split into microbatches too."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, WIDTH))
+        self.register_buffer("freq", 1.0 / 10 ** (torch.arange(WIDTH) / WIDTH), persistent=False)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        h = x
+        for layer in self.layers:
+            with piper_fx.annotate("PP"):
+                h = torch.tanh(layer(h) * self.scale) + torch.cos(h * self.freq)
+        return F.mse_loss(self.head(h), y)
+
+
+MODELS = {"skip": SkipAcrossStages, "two_streams": TwoStreams, "cross": CrossStageMLP, "buffers": ScaledByBuffers}
 
 
 def batch(step: int, rows: int):

@@ -92,6 +92,29 @@ def test_the_step_is_compiled_on_its_first_call_after_dynamo_has_timed_its_guard
     torch._dynamo.reset()
 
 
+def test_the_step_tells_the_models_buffers_from_its_batch_arguments():
+    """By Dynamo's sources of the compiled arguments, which Dynamo deletes once it has compiled the
+    frame, before the step's first call plans the step: the backend keeps them."""
+    from models import ScaledByBuffers, batch
+    from piper_fx.ir import InputRole
+
+    returned = []
+
+    def backend(gm, example_inputs):
+        returned.append(piper_fx.piper_backend(gm, example_inputs, EAGER))
+        return returned[-1]
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = ScaledByBuffers()
+    x, y = batch(0, 4)
+    torch.compile(model, backend=backend)(x, y).backward()
+    inputs = returned[0].step.inputs
+    assert sorted(i.fqn for i in inputs if i.role is InputRole.BUFFER) == ["freq", "scale"]
+    assert sum(i.role is InputRole.INPUT for i in inputs) == 2  # x and y
+    torch._dynamo.reset()
+
+
 def test_seed_scaling_and_accumulation_follow_autograd():
     model, reference = _model(tied=False), _model(tied=False)
     step = torch.compile(model, backend="piper", options=EAGER)

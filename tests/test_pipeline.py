@@ -38,6 +38,10 @@ def test_two_stage_schedules_and_model_shapes():
          "per_rank_batch": 4},
         {"options": _pp(2, "1f1b", 2), "model": "skip", "per_rank_batch": 4},
         {"options": _pp(2, "gpipe", 2), "model": "two_streams", "per_rank_batch": 4},
+        {"options": _pp(2, "1f1b", 2), "model": "buffers", "per_rank_batch": 4},
+        # The batch given as keyword arguments (as Hugging Face models are called), whose size
+        # the GPT's views read: it must reach the compiler symbolic as positional arguments do.
+        {"options": _pp(2, "1f1b", 2), "pp_regions": True, "per_rank_batch": 4, "keywords": True},
         {"options": _pp(2, "zb1p", 4), "pp_regions": True, "per_rank_batch": 4},
         {"options": _pp(2, "zb1p", 2), "model": "skip", "per_rank_batch": 4},
         {"options": _pp(2, "zbv", 4), "pp_regions": True, "n_layer": 4, "per_rank_batch": 4},

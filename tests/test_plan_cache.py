@@ -10,6 +10,7 @@ from torch import nn
 
 import piper_fx
 from piper_fx.options import parse_options
+from piper_fx.capture import keep_input_sources
 from piper_fx.compat import tree_leaves
 from piper_fx.plan_cache import plan_key
 
@@ -36,6 +37,7 @@ def _graph(model: nn.Module, x: torch.Tensor):
     seen = []
 
     def record(gm, example_inputs):
+        keep_input_sources(gm)  # as the backend does: Dynamo deletes them once the frame is compiled
         seen.append((gm, example_inputs))
         return gm.forward
 

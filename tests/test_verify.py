@@ -64,7 +64,7 @@ def _captured_skip_model():
 
     import piper_fx
     from models import MODELS, batch
-    from piper_fx.capture import capture
+    from piper_fx.capture import capture, keep_input_sources
     from piper_fx.sharding.mesh import dp_group_name
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -74,6 +74,7 @@ def _captured_skip_model():
     captured = {}
 
     def keep_graph(gm, example_inputs):
+        keep_input_sources(gm)  # as the backend does: Dynamo deletes them once the frame is compiled
         captured.update(gm=gm, example_inputs=example_inputs)
         return gm.forward
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import time
 
@@ -72,11 +73,13 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
                       tied: bool = True, per_rank_batch: int = 2, same_init: bool = True,
                       call_prepare: bool = True, pp_regions: bool = False, n_layer: int = 2,
                       model: str = "gpt", experts: int = 0, ep_regions: bool = True,
-                      capacity_factor: float | None = None, model_kwargs: dict | None = None) -> dict:
+                      capacity_factor: float | None = None, model_kwargs: dict | None = None,
+                      keywords: bool = False) -> dict:
     """Train with piper_fx on this rank's shard and, alongside, one model on the global batch.
 
     With `same_init=False` each rank initializes its own model from its own seed;
-    the reference starts from rank 0's, which every replica must adopt.
+    the reference starts from rank 0's, which every replica must adopt. With `keywords`
+    the compiled model is called with its batch as keyword arguments (`model(x=..., y=...)`).
     """
     from models import MODELS, batch
 
@@ -113,7 +116,7 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
         dp = mesh.get("dp", world // mesh.get("pp", 1))
         x, y = batch_fn(i, per_rank_batch * dp)
         lx, ly = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
-        loss = step(lx, ly)
+        loss = step(**dict(zip(inspect.signature(model.forward).parameters, (lx, ly)))) if keywords else step(lx, ly)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -420,7 +423,7 @@ def plan_all_ranks(options: dict, world: int, n_layer: int, batch_rows: int, exp
 def plan_programs(options: dict, n_layer: int, batch_rows: int, experts: int = 0) -> tuple[dict, float]:
     """`plan_all_ranks`'s programs, planned in the process group this process is in: called on
     every rank of it (`prepare` is collective), on a real group as on the fake one."""
-    from piper_fx.capture import capture
+    from piper_fx.capture import capture, keep_input_sources
     from piper_fx.passes import run_passes
     from piper_fx.sharding.mesh import dp_group_name
 
@@ -435,6 +438,7 @@ def plan_programs(options: dict, n_layer: int, batch_rows: int, experts: int = 0
     captured = {}
 
     def keep_graph(gm, example_inputs):
+        keep_input_sources(gm)  # as the backend does: Dynamo deletes them once the frame is compiled
         captured.update(gm=gm, example_inputs=example_inputs)
         return gm.forward
 
