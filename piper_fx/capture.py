@@ -248,7 +248,17 @@ def _describe_outputs(output_node: fx.Node, arg_indices: list[int],
     return outputs, kept
 
 
-def _check_one_scalar_loss(joint: fx.GraphModule, inputs: list[GraphInput], outputs: list[GraphOutput]) -> None:
+# Why a pipeline's graph did not trace at microbatch size, when Dynamo saw a fixed batch size.
+_FIXED_BATCH = (
+    "piper_fx traces a pipeline's model at the size of one microbatch, and tracing it failed: its "
+    "batch arguments reached the compiler with a fixed size, which the model may read (a view of "
+    "the batch's shape, say). piper_fx.prepare marks their batch dimension dynamic on every call of "
+    "the module it prepared; compile that module (torch.compile(model, ...)), or mark it on the "
+    "arguments of the function you compile before each call (torch._dynamo.mark_dynamic(x, 0))")
+
+
+def _check_one_scalar_loss(joint: fx.GraphModule, inputs: list[GraphInput], outputs: list[GraphOutput],
+                           microbatches: int) -> None:
     """A training graph has one differentiable output, first: the scalar loss."""
     tangents = [i for i in inputs if i.role is InputRole.TANGENT]
     loss = next((o for o in outputs if o.role is OutputRole.LOSS), None)
@@ -259,7 +269,11 @@ def _check_one_scalar_loss(joint: fx.GraphModule, inputs: list[GraphInput], outp
             f"the compiled graph returns {len(tangents)} differentiable outputs, the first of shape "
             f"{shape}; piper_fx runs whole training steps and needs the model to return its scalar "
             "loss first and nothing else that requires grad. A graph break also splits the model "
-            "into graphs that do not end in the loss: compile with fullgraph=True to find it")
+            "into graphs that do not end in the loss: compile with fullgraph=True to find it"
+            + (". Under a pipeline, piper_fx.prepare marks the batch size dynamic in a hook of the "
+               "module it prepared, which breaks a function compiled around its call there: compile "
+               "a module whose forward returns the loss (for a Hugging Face model, one returning "
+               "model(...).loss)" if microbatches > 1 else ""))
 
 
 def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_group: str | None) -> TrainingDAG:
@@ -283,8 +297,13 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     # empty: inputs are made fake with static shapes (`ignore_shape_env`).
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
     with contextlib.ExitStack() as stack, tracing(TracingContext(fake_mode)):
-        exported = aot_export_joint_with_descriptors(
-            stack, gm, tuple(traced_inputs), decompositions=decompositions_for(strategy), ignore_shape_env=True)
+        try:
+            exported = aot_export_joint_with_descriptors(
+                stack, gm, tuple(traced_inputs), decompositions=decompositions_for(strategy), ignore_shape_env=True)
+        except Exception as error:
+            if strategy.microbatches > 1 and not any(isinstance(t, torch.SymInt) for t in example_inputs):
+                raise PiperError(_FIXED_BATCH) from error
+            raise
         joint = exported.graph_module
 
     for node in joint.graph.nodes:
@@ -296,7 +315,7 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     output_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
     outputs, kept = _describe_outputs(output_node, arg_indices, training)
     if training:
-        _check_one_scalar_loss(joint, inputs, outputs)
+        _check_one_scalar_loss(joint, inputs, outputs, strategy.microbatches)
 
     # A flat calling convention (placeholders in, flat tuple out) for the passes.
     joint.graph._codegen = fx.graph.CodeGen()

@@ -5,7 +5,7 @@ import torch
 from piper_fx.ir import memory_order
 from ranks import run_ranks
 from models import ONE_F_ONE_B_DIRECTIVES, reversed_gpipe
-from training import activation_memory_worker, pipeline_worker
+from training import activation_memory_worker, fixed_batch_pipeline_worker, pipeline_worker
 
 RTOL = 1e-5
 
@@ -57,6 +57,11 @@ def test_two_stage_schedules_and_model_shapes():
     results = run_ranks(pipeline_worker, 2, configs, deadline_s=400)
     _check(results, configs)
     _check_each_parameter_trained_on_exactly_one_pipeline_rank(results)
+
+
+def test_a_pipeline_traced_at_a_fixed_batch_size_says_how_to_make_it_symbolic():
+    for message in run_ranks(fixed_batch_pipeline_worker, 2):
+        assert "at the size of one microbatch" in message and "torch._dynamo.mark_dynamic(x, 0)" in message, message
 
 
 def test_four_rank_gpipe_1f1b_zb1p_and_zbv():

@@ -288,6 +288,24 @@ def pipeline_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
     return results
 
 
+def fixed_batch_pipeline_worker(rank: int, world: int) -> str:
+    """The error of compiling, under a pipeline over `world` ranks, a function that calls the
+    prepared GPT's `forward` itself, past the hook by which `prepare` marks the batch size
+    dynamic: Dynamo sees a fixed batch size, which the GPT's views read."""
+    options = {"codegen": "eager", "mesh": {"pp": world}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+    cfg = GPTConfig(**SMALL, tied_embeddings=False)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.block_context = lambda: piper_fx.annotate("PP")
+    piper_fx.prepare(model, options)
+    step = torch.compile(lambda x, y: model.forward(x, y), backend="piper", options=options)
+    try:
+        step(*global_batch(0, 4, cfg))
+    except piper_fx.PiperError as e:
+        return str(e)
+    return ""
+
+
 def message_batches_worker(rank: int, world: int, schedules: list[str]) -> dict:
     """One training step per schedule over pp = world (4 layers, a stage each, 4 microbatches),
     recording every `dist.batch_isend_irecv` call the runtime makes: per schedule, the calls
