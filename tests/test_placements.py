@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from piper_fx.compat import TORCH_VERSION
@@ -278,6 +278,32 @@ def test_a_slice_backward_into_zeros_keeps_the_rows_sharded():
     graph = _propagate(slice_backward, ((4, 8), Shard(0)))
     (scatter,) = [n for n in graph.nodes if n.target == torch.ops.aten.slice_scatter.default]
     assert scatter.meta[SPEC_KEY] == Shard(0) and READS_KEY not in scatter.meta
+
+
+def test_a_slice_assignment_is_placed_as_what_it_copies():
+    # Hugging Face's T5 shifts its labels right into zeros: functionalized, as AOTAutograd
+    # traces it, a functional copy into the slice (DTensor's rule is the in-place one's).
+    def shift_right(labels, start):
+        shifted = labels.new_zeros(labels.shape)
+        shifted[:, 1:] = labels[:, :-1].clone()
+        shifted[:, :1] = start  # one start token, the same for every row
+        shifted[:, 0] = start.squeeze()  # and again, as T5 writes it: a fill
+        return shifted * 2
+
+    def propagated(labels: Placement) -> fx.Graph:
+        gm = make_fx(torch.func.functionalize(shift_right), tracing_mode="fake")(torch.randn(4, 9), torch.randn(1))
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        propagate(gm.graph, dict(zip([n.name for n in placeholders], (labels, Replicate()))), planning_mesh(2))
+        return gm.graph
+
+    sharded, replicated = propagated(Shard(0)), propagated(Replicate())
+    assert _specs(sharded, torch.ops.aten.copy.default) == [Shard(0), Shard(0)]
+    assert _specs(sharded, torch.ops.aten.fill.Tensor) == [Shard(0)]
+    assert _specs(replicated, torch.ops.aten.copy.default) == [Replicate(), Replicate()]
+    assert _specs(replicated, torch.ops.aten.fill.Tensor) == [Replicate()]
+    # A sharded source broadcast along the result's rows has no rows to give them: no placement.
+    with pytest.raises(PiperError, match="broadcasts its source"):
+        _propagate(lambda source, out: torch.ops.aten.copy(out, source), ((9,), Shard(0)), ((4, 9), Shard(0)))
 
 
 def test_dtensor_is_asked_with_every_argument_that_decides_the_placement():

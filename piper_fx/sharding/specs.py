@@ -29,8 +29,10 @@ guessed. A call's placement comes from the first of these that applies:
 5. piper_fx's rules for ops DTensor has no rule for, or none that fits
    (`_RULES`): attention kernels that compute each batch row from that row
    alone, row statistics (var_mean) and dtype conversions (prims'), which
-   DTensor has rules for from torch 2.13 only, and scatter-adds whose every
-   rank adds its own rows (the embedding backward as Inductor decomposes it).
+   DTensor has rules for from torch 2.13 only, scatter-adds whose every rank
+   adds its own rows (the embedding backward as Inductor decomposes it), and
+   the functional copy and fill of a slice assignment (DTensor's rules are the
+   in-place ops').
    Each rule holds only for the input placements it names; for others the op
    goes on to 6.
 6. DTensor's own sharding propagator (`dtensor_rules`; the rules DTensor's dispatch uses),
@@ -194,6 +196,24 @@ def _index_put(node: fx.Node, inputs) -> Any:
     return _scatter_add(destination, [i for i in indices if isinstance(i, fx.Node)], values), []
 
 
+def _copy(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """`aten.copy(destination, source)` and `aten.fill(destination, value)`, functionalized
+    `destination[...] = source` (as Hugging Face's T5 shifts its labels right and puts its
+    start token first): a tensor of the destination's shape holding the source's values,
+    broadcast. So it is placed as the source where the source's dim 0 is the result's (a
+    `Shard(0)` source: its rows; a partial one: its part, since the copy is linear); a
+    `Replicate()` source (a fill's value) fills every row alike, a `Shard(0)` destination's
+    rows (`Shard(0)`) as well as a replicated one's. DTensor's rules are the in-place ops'."""
+    destination, source = node.args[:2]
+    placed = dict(inputs)
+    if isinstance(placed[source], Replicate):
+        return (Shard(0) if placed[destination] == Shard(0) else Replicate()), []
+    dst, src = destination.meta["val"], source.meta["val"]
+    if src.dim() != dst.dim() or src.shape[0] != dst.shape[0]:
+        raise NoRule(f"it broadcasts its source {source.name} ({format_spec(placed[source])}) along dim 0")
+    return placed[source], []
+
+
 _RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any, list]]] = {
     # CPU flash attention (DTensor has rules for the CUDA kernels, not these): batch row b
     # of the output (and log-sum-exp), and of the gradients, reads row b of q, k, v alone.
@@ -206,6 +226,8 @@ _RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any
     # DTensor's index_put rule needs the indices replicated; a scatter-add of each rank's
     # rows (e.g. the backward of indexing the batch's rows) is a partial sum.
     aten.index_put.default: _index_put,
+    aten.copy.default: _copy,
+    aten.fill.Tensor: _copy,
 }
 
 
