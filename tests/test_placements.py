@@ -269,6 +269,14 @@ def test_a_view_of_one_row_per_rank_keeps_the_rows_sharded():
     assert _specs(graph, torch.ops.aten.view.default) == [Shard(0), Shard(0)]
 
 
+def test_a_view_folding_one_row_of_a_transposed_batch_keeps_the_rows_sharded():
+    # With one row per rank, matmul's decomposition views a transposed batch (rows, heads,
+    # tokens, width) as rows of heads: legal on this rank's row alone, whose stride is never
+    # stepped, and so for the global batch laid out with its rows just outside the heads.
+    graph = _propagate(lambda t: t.transpose(1, 2).view(2, 8, 16) * 2, ((1, 8, 2, 16), Shard(0)))
+    assert _specs(graph, torch.ops.aten.view.default) == [Shard(0)]
+
+
 def test_a_slice_backward_into_zeros_keeps_the_rows_sharded():
     # Inductor's slice backward: the gradient's rows scattered into zeros, which are this
     # rank's rows of zeros as well as replicated ones (DTensor's rule follows the zeros).
