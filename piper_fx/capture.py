@@ -34,9 +34,9 @@ _CONTAINERS = {"_modules", "_parameters", "_buffers"}
 
 def keep_input_sources(gm: fx.GraphModule) -> None:
     """Keep the name of each placeholder's source on the node (`ops.SOURCE`), where Dynamo
-    still has it (its `grapharg`, which it deletes once it has compiled the frame): the
-    backend calls this before it returns, since the step plans on its first call; `capture`
-    too, for callers that capture inside a backend."""
+    still has it (its `grapharg`, which it deletes once it has compiled the frame): whoever
+    hands `capture` a Dynamo graph calls this first, inside its backend (the piper backend
+    before it returns, since the step plans on its first call)."""
     for node in gm.graph.find_nodes(op="placeholder"):
         name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
         if callable(name):
@@ -280,12 +280,11 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     """Trace `gm` into a joint graph and describe its inputs and outputs.
 
     Requires: `gm` is a whole Dynamo graph (no graph break) whose first output is
-    the scalar loss when training, with its inputs' sources (`keep_input_sources`, here
-    if Dynamo still has them). Guarantees: a `TrainingDAG` whose joint graph
+    the scalar loss when training, with its inputs' sources kept (`keep_input_sources`).
+    Guarantees: a `TrainingDAG` whose joint graph
     takes its placeholders in order and returns exactly `dag.outputs` as a flat tuple,
     each node a unit's forward runs or differentiates marked with that unit (`ops.LAYER`).
     """
-    keep_input_sources(gm)
     dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     gm, traced_inputs, arg_indices = _specialize_to_microbatch(gm, example_inputs, strategy.microbatches)
     dynamo_placeholders = [dynamo_placeholders[i] for i in arg_indices]

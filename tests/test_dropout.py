@@ -145,7 +145,7 @@ def _captured(p: float):
     from models import DropoutGPT
     from training import global_batch
 
-    from piper_fx.capture import capture
+    from piper_fx.capture import capture, keep_input_sources
     from piper_fx.passes.functionalize_random import functionalize_random
 
     torch._dynamo.reset()
@@ -155,6 +155,7 @@ def _captured(p: float):
     graphs = {}
 
     def backend(gm, example_inputs):
+        keep_input_sources(gm)
         dag = capture(gm, example_inputs, strategy, None)
         graphs["before"] = dag.joint.code
         graphs["dag"] = functionalize_random(dag, strategy)

@@ -69,7 +69,7 @@ def _planned(name: str, options: dict, world: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import piper_fx
-    from piper_fx.capture import capture
+    from piper_fx.capture import capture, keep_input_sources
     from piper_fx.passes import PIPELINE, position, run_passes
     from piper_fx.passes.propagate_placements import propagate_placements
     from piper_fx.sharding.mesh import dp_group_name
@@ -84,6 +84,7 @@ def _planned(name: str, options: dict, world: int):
         captured = {}
 
         def backend(gm, example_inputs):
+            keep_input_sources(gm)
             captured["dag"] = capture(gm, example_inputs, strategy, dp_group_name(strategy))
             return gm.forward
 
