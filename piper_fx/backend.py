@@ -188,7 +188,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     # their program placeholders (`dtensor_params`; capture and the plan's key read those
     # as such). The step stands them in on every call.
     arguments = [stood_for(t) for t in example_inputs]
-    check_prepared(strategy, arguments)
+    check_prepared(strategy, arguments, example_inputs)
     device = check_one_device(arguments)
     dump = DebugDump(strategy.debug_dir, strategy.rank)  # named by Dynamo's compile id, known only now
     warming = warm_up(strategy.codegen, device)  # in the background, while Dynamo ends and the step is planned

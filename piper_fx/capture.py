@@ -107,11 +107,13 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
         if not isinstance(example, torch.Tensor):
             raise PiperError(f"compiled argument {index} is {type(example).__name__}: piper_fx compiles "
                              "tensor arguments only")
-        parameter = stood_for(example)  # a DTensor parameter, where Dynamo saw its program placeholder
+        parameter = stood_for(example)  # the parameter, where Dynamo saw its program placeholder
         if isinstance(parameter, DTensor):
             # Dynamo's example value: a DTensor only where the model read the parameter itself.
             read_directly = isinstance(node.meta.get("example_value"), DTensor)
             example = _read_as_program_tensor(node, parameter, index, read_directly)
+        else:  # a plain parameter Dynamo traced in mixed precision's param_dtype, read cast to it
+            example = parameter
         if microbatches > 1 and not isinstance(example, nn.Parameter) and not _fqn_from_source(node)[1]:
             if example.dim() == 0 or example.shape[0] % microbatches:
                 raise PiperError(f"compiled argument {index} has shape {tuple(example.shape)}: its dim 0 must "
@@ -167,7 +169,9 @@ def _cast_uses(graph: fx.Graph, value: fx.Node, dtype: torch.dtype) -> None:
 def _trace_mixed_precision(gm: fx.GraphModule, examples: list, policy: MixedPrecision) -> None:
     """Write FSDP2's `MixedPrecisionPolicy` into the Dynamo graph, so AOTAutograd traces
     compute in `param_dtype` and the casts' backward (each gradient back to its
-    parameter's dtype):
+    parameter's dtype). Dynamo traced the parameters in `param_dtype` already (their
+    program placeholders, `dtensor_params.trace_in_dtype`), so the dtypes the model
+    chose by reading them are those; the graph now reads the parameters themselves:
       - each floating parameter is read cast to `param_dtype`: a sharded one where
         its module reads it whole (after its marker, which `unshard_parameters`
         turns into a gather in `param_dtype`), a replicated one where it enters;

@@ -122,7 +122,7 @@ class Strategy:
 
     def layout_key(self) -> tuple:
         """What `prepare` fixed: compiling with a different key needs a new `prepare`."""
-        return (self.dp, self.pp, self.ep, self.shards_parameters)
+        return (self.dp, self.pp, self.ep, self.shards_parameters, self.mixed_precision.param_dtype)
 
     def with_rank(self, rank: int) -> "Strategy":
         return replace(self, rank=rank)

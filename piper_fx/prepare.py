@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from .compat import maybe_mark_dynamic
 from .errors import PiperConfigError
 from .options import Strategy, parse_options_on_all_ranks
-from .sharding.dtensor_params import replicate_parameters
+from .sharding.dtensor_params import replicate_parameters, trace_in_dtype
 from .sharding.experts import expert_parameters, is_expert_parameter, shard_experts
 from .sharding.fused_optimizers import step_fused_optimizers_on_local_tensors
 from .sharding.holdings import Holding, held_parameters, hide_released_parameters, record_holding
@@ -44,6 +44,9 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     under a pipeline, once compiling has released the parameters of stages this
     rank does not run, its state dict leaves them out (as a stage module of
     torch.distributed.pipelining holds only its own).
+    With mixed precision (`mixed_precision.param_dtype`), Dynamo traces the model with
+    its floating parameters in `param_dtype`, as FSDP2's `fully_shard(mp_policy=...)`
+    runs it (`dtensor_params.trace_in_dtype`); the parameters stay in their dtype.
     Calling it again with the same layout is a no-op. With dp > 1 it first gives every replica the first replica's
     parameters and buffers, as DDP does, so it is collective: every rank must call it.
     """
@@ -69,6 +72,8 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
         shard_experts(model, strategy_mesh(strategy)["ep"])
     if strategy.dp > 1:
         replicate_parameters(model, strategy_mesh(strategy)["dp"])
+    if strategy.mixed_precision.param_dtype is not None:
+        trace_in_dtype(model, strategy.mixed_precision.param_dtype)
     record_holdings(model, strategy)
     if any(isinstance(p, DTensor) for p in model.parameters()):
         step_fused_optimizers_on_local_tensors()
@@ -118,8 +123,11 @@ def prepared_layout(model: nn.Module) -> tuple | None:
     return getattr(model, _LAYOUT_ATTR, None)
 
 
-def check_prepared(strategy: Strategy, example_inputs: list) -> None:
-    """Raise if the parameters the backend sees do not match `strategy`'s layout."""
+def check_prepared(strategy: Strategy, example_inputs: list, traced: list) -> None:
+    """Raise if the parameters the backend sees (`example_inputs`, where Dynamo `traced` their
+    program placeholders) do not match `strategy`'s layout, or were traced in another dtype
+    than its mixed precision's `param_dtype`."""
+    _check_traced_dtypes(strategy.mixed_precision.param_dtype, example_inputs, traced)
     params = [t for t in example_inputs if isinstance(t, nn.Parameter)]
     infos = [sharded_parameter_info(p) for p in params]
     zero_shards = sum(info is not None and info.mesh_dim == "dp" for info in infos)
@@ -147,3 +155,24 @@ def check_prepared(strategy: Strategy, example_inputs: list) -> None:
             "mesh.ep", strategy.ep,
             "the model's experts were sharded by prepare with another mesh.ep; compile with the options "
             "given to prepare")
+
+
+def _check_traced_dtypes(param_dtype: torch.dtype | None, example_inputs: list, traced: list) -> None:
+    """Raise if the model was prepared to be traced in a `param_dtype` (its parameters' program
+    placeholders in that dtype, `trace_in_dtype`) other than the options', or not prepared for
+    the options' one. A parameter registered after `prepare` is traced as it is, cast where
+    the program reads it."""
+    pairs = [(t, p) for t, p in zip(traced, example_inputs)
+             if isinstance(p, nn.Parameter) and p.is_floating_point()]
+    in_other_dtype = {t.dtype for t, p in pairs if t is not p and t.dtype != p.dtype}
+    if in_other_dtype and in_other_dtype != {param_dtype}:
+        raise PiperConfigError(
+            "mixed_precision.param_dtype", param_dtype,
+            f"{', '.join(map(str, in_other_dtype))}, the param_dtype the model was prepared with: compile with "
+            "the options given to prepare")
+    if param_dtype is not None and not in_other_dtype and any(p.dtype != param_dtype for _, p in pairs):
+        raise PiperConfigError(
+            "mixed_precision.param_dtype", param_dtype,
+            "a param_dtype the model was prepared with: mixed precision traces the model with its parameters "
+            "in param_dtype, as FSDP2 runs it; call piper_fx.prepare(model, options) with these options "
+            "before compiling")

@@ -108,3 +108,50 @@ def mixed_precision_worker(rank: int, world: int, options: dict, optimizer: str 
         "fsdp2": {k: _full(v.detach()).clone() for k, v in fsdp.state_dict().items()},
         "single": {k: v.detach().clone() for k, v in single.state_dict().items()},
     }
+
+
+def hf_mixed_precision_worker(rank: int, world: int, name: str, options: dict, optimizer: str = "adamw",
+                              steps: int = 3) -> dict:
+    """A tiny Hugging Face model (`training.HUGGING_FACE[name]`) trained `steps` steps with
+    piper_fx under `options` and with FSDP2 over every rank under the options' mixed
+    precision (`fully_shard` on each of the model's layers, `_no_split_modules`, and at the
+    root), on the same global batches: each one's losses, and the initial and final parameters."""
+    from training import HUGGING_FACE, LossOf, llama_batch
+
+    policy = _policy(options)
+    torch.manual_seed(0)
+    model = HUGGING_FACE[name]()
+    fsdp = copy.deepcopy(model)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    mesh = options.get("mesh", {})
+    pipelined = mesh.get("pp", 1) > 1
+    dp = mesh.get("dp", world // mesh.get("pp", 1))
+    compiled = LossOf(model) if pipelined else None
+    piper_fx.prepare(compiled or model, options)
+    step = torch.compile(compiled or (lambda x, y: model(input_ids=x, labels=y).loss), backend="piper",
+                         options=options)
+    for module in fsdp.modules():
+        if type(module).__name__ in fsdp._no_split_modules:
+            fully_shard(module, mp_policy=policy)
+    fully_shard(fsdp, mp_policy=policy)
+    optimizers = [_optimizer(optimizer, m.parameters()) for m in (model, fsdp)]
+    losses: dict[str, list[float]] = {"piper": [], "fsdp2": []}
+    for i in range(steps):
+        x, y = llama_batch(i, 4 * world)  # 4 rows a rank: 2 a microbatch under a pipeline
+        rows = x.shape[0] // dp
+        piper_loss = step(x[rank % dp * rows:][:rows], y[rank % dp * rows:][:rows])
+        fsdp_loss = fsdp(input_ids=x.chunk(world)[rank], labels=y.chunk(world)[rank]).loss
+        for loss in (piper_loss, fsdp_loss):
+            loss.backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        losses["piper"].append(_mean_over_ranks(piper_loss, world))
+        losses["fsdp2"].append(_mean_over_ranks(fsdp_loss, world))
+    return {
+        "losses": losses,
+        "initial": initial,
+        "piper": {k.removeprefix("model.") if pipelined else k: v.float()
+                  for k, v in piper_fx.full_state_dict(compiled or model).items()},
+        "fsdp2": {k: _full(v.detach()).clone() for k, v in fsdp.state_dict().items()},
+    }

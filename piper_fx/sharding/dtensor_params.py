@@ -29,6 +29,12 @@ parameter. Each padded row buffer is kept with its parameter, the DTensor's
 local tensor a view of its first rows, so the program reads the very storage
 the optimizer updates.
 
+With mixed precision, every floating parameter's placeholder is in `param_dtype`
+(`trace_in_dtype`; a plain parameter, at dp = 1, gets one too), its bytes the first
+of its program tensor's: Dynamo traces the model as FSDP2 runs it, its parameters
+cast, so the dtypes a model reads to choose one (an activation's, a parameter's)
+are `param_dtype`, and the step reads the parameter cast to it (`capture`).
+
 Every other parameter (all of them at ZeRO-0, 0-d ones at any level, those
 that are not experts under ep) is a whole replica over dp: `prepare` makes it
 a `Replicate()` DTensor on the dp mesh sharing the original's storage
@@ -196,14 +202,22 @@ _NAME = "_piper_name"  # and the parameter's name in the model (the first, if ti
 _PLACEHOLDER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
-def program_placeholder(parameter: nn.Parameter, name: str) -> nn.Parameter:
-    """What Dynamo traces in place of the DTensor `parameter`, named `name` in the model (made
-    on the first call, the same one after): a plain `nn.Parameter` sharing the storage of its
-    `program_tensor` (its shape, dtype and device; no memory of its own), as trainable as the
-    parameter, which `stood_for` gives back."""
+def program_placeholder(parameter: nn.Parameter, name: str, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """What Dynamo traces in place of `parameter` (a DTensor, or a plain parameter traced in
+    another dtype), named `name` in the model (made on the first call, the same one after
+    for the same `dtype`): a plain `nn.Parameter` sharing the storage of its `program_tensor`
+    (its shape and device, and its dtype unless `dtype` is given; no memory of its own), as
+    trainable as the parameter, which `stood_for` gives back.
+
+    In another `dtype` (mixed precision's `param_dtype`, `trace_in_dtype`) its bytes are
+    not the parameter's values: the piper backend stands the parameter in for it, and
+    Dynamo reads a placeholder's metadata only."""
     placeholder = _PLACEHOLDER_OF.get(parameter)
+    if placeholder is not None and dtype is not None and placeholder.dtype != dtype:
+        placeholder = None
     if placeholder is None:
-        placeholder = nn.Parameter(program_tensor(parameter).detach(), requires_grad=parameter.requires_grad)
+        placeholder = nn.Parameter(_same_storage(program_tensor(parameter).detach(), dtype),
+                                   requires_grad=parameter.requires_grad)
         setattr(placeholder, _STANDS_FOR, weakref.ref(parameter))
         setattr(placeholder, _NAME, name)
         # The piper backend hands gradients to the parameter; a gradient reaching the placeholder
@@ -211,6 +225,42 @@ def program_placeholder(parameter: nn.Parameter, name: str) -> nn.Parameter:
         placeholder.register_post_accumulate_grad_hook(_compiled_by_another_backend)
         _PLACEHOLDER_OF[parameter] = placeholder
     return placeholder
+
+
+def _same_storage(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A tensor of `tensor`'s shape, strides and device in `dtype` (default: its own), in
+    `tensor`'s storage where it fits there (a narrower dtype: the first half of an fp32
+    parameter's bytes as bf16), else in memory of its own."""
+    if dtype is None or dtype == tensor.dtype:
+        return tensor
+    storage = tensor.untyped_storage()
+    itemsize = dtype.itemsize
+    offset, extent = tensor.storage_offset() * tensor.element_size(), 1
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        extent += (size - 1) * stride
+    if tensor.numel() == 0 or offset % itemsize or offset + extent * itemsize > storage.nbytes():
+        return torch.empty_strided(tensor.shape, tensor.stride(), dtype=dtype, device=tensor.device)
+    return torch.empty(0, dtype=dtype, device=tensor.device).set_(
+        storage, offset // itemsize, tensor.shape, tensor.stride())
+
+
+def trace_in_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Make Dynamo trace every floating parameter of `model` in `dtype` (mixed precision's
+    `param_dtype`), as FSDP2 runs the model with its parameters cast: a model that reads a
+    parameter's or an activation's dtype to choose one (Hugging Face's RMSNorm casting back
+    to its input's dtype, rotary tables cast to the query's) then chooses `dtype`, where
+    Dynamo tracing the fp32 parameters baked float32 into the graph. Each parameter's
+    program placeholder is made in `dtype` (a plain parameter gets one, read through as
+    DTensor parameters are, `read_through`); the piper backend stands the parameter in,
+    read cast to `dtype` (`capture`), so the program computes with its values."""
+    for parameter, holders in parameter_owners(model, skip=lambda p: not p.is_floating_point() or p.dtype == dtype):
+        placeholder = program_placeholder(parameter, holders[0][0], dtype)
+        for _, module, name in holders:
+            placeholders = module.__dict__.get(_PLACEHOLDERS)
+            if placeholders is not None and name in placeholders:  # read through already: its gather stays
+                placeholders[name] = placeholder
+            else:
+                read_through(module, name, placeholder)
 
 
 def _compiled_by_another_backend(placeholder: nn.Parameter) -> None:
@@ -237,11 +287,11 @@ _PLACEHOLDERS = "_piper_program_placeholders"  # a module's placeholders by para
 
 def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
                  gather: tuple[torch._ops.OpOverload, list[int], str] | None = None) -> None:
-    """Make reading `module.<name>` return the parameter's local tensor eagerly, and its
-    `program_placeholder` under `torch.compile`, the parameter staying registered under
-    `name` (so `named_parameters` and `state_dict` keep their keys). With `gather`, a
-    marker op (`piper::unshard`, `piper::unshard_experts`), the full shape and the group
-    name it takes, the read is the op's of that tensor: the full tensor.
+    """Make reading `module.<name>` return the parameter's local tensor eagerly (a plain
+    parameter itself), and its `program_placeholder` under `torch.compile`, the parameter
+    staying registered under `name` (so `named_parameters` and `state_dict` keep their
+    keys). With `gather`, a marker op (`piper::unshard`, `piper::unshard_experts`), the full
+    shape and the group name it takes, the read is the op's of that tensor: the full tensor.
 
     A property on a subclass of the module's class made for this module alone (its
     `__class__` is swapped once). The module keeps its placeholders in a plain dict, which
@@ -264,7 +314,7 @@ def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
         module.__class__ = cls
         module.__dict__[_PLACEHOLDERS] = {}
     module.__dict__[_PLACEHOLDERS][name] = placeholder
-    setattr(cls, name, property(_getter(name, gather)))
+    setattr(cls, name, property(_getter(name, gather, isinstance(module._parameters[name], DTensor))))
 
 
 # `read_through`'s getters, by their source: written as dataclasses write their methods, their
@@ -278,15 +328,16 @@ _GETTER_SOURCE = """def get(self):
 _GETTERS: dict[str, Callable] = {}
 
 
-def _getter(name: str, gather: tuple[torch._ops.OpOverload, list[int], str] | None) -> Callable:
+def _getter(name: str, gather: tuple[torch._ops.OpOverload, list[int], str] | None, distributed: bool) -> Callable:
     def read(tensor: str) -> str:
         if gather is None:
             return tensor
         op, full_shape, group_name = gather  # `str(op)`: "piper.unshard.default"
         return f"torch.ops.{op}({tensor}, {[int(size) for size in full_shape]!r}, {group_name!r})"
 
+    local = f"self._parameters[{name!r}]" + (".to_local()" if distributed else "")
     source = _GETTER_SOURCE.format(name=name, compiled=read(f"self._piper_program_placeholders[{name!r}]"),
-                                   eager=read(f"self._parameters[{name!r}].to_local()"))
+                                   eager=read(local))
     getter = _GETTERS.get(source)
     if getter is None:
         namespace: dict = {}
@@ -302,14 +353,14 @@ def _register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) 
 
 def _getstate(self: nn.Module) -> dict:
     state = type(self).__mro__[1].__getstate__(self)
-    # Not the placeholders, which stand for these very parameters: their names, to make
-    # those of the parameters the state's new module holds.
-    state[_PLACEHOLDERS] = {name: placeholder_name(p) for name, p in state[_PLACEHOLDERS].items()}
+    # Not the placeholders, which stand for these very parameters: their names and dtypes, to
+    # make those of the parameters the state's new module holds.
+    state[_PLACEHOLDERS] = {name: (placeholder_name(p), p.dtype) for name, p in state[_PLACEHOLDERS].items()}
     return state
 
 
 def _setstate(self: nn.Module, state: dict) -> None:
-    names = state.pop(_PLACEHOLDERS, {})
+    made = state.pop(_PLACEHOLDERS, {})
     type(self).__mro__[1].__setstate__(self, state)
-    self.__dict__[_PLACEHOLDERS] = {name: program_placeholder(self._parameters[name], fqn)
-                                    for name, fqn in names.items()}
+    self.__dict__[_PLACEHOLDERS] = {name: program_placeholder(self._parameters[name], fqn, dtype)
+                                    for name, (fqn, dtype) in made.items()}
