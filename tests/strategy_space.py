@@ -33,6 +33,7 @@ class Case:
     overlap: bool = True
     prefetch: int = 1
     codegen: str = "eager"
+    checkpointing: str = "none"  # `activation_checkpointing`'s mode: never changes what training computes
     optimizer: str = "adamw_eps"  # `training.make_optimizer`'s names: "sgd", "adamw_eps" (AdamW; see there)
 
     @property
@@ -42,7 +43,8 @@ class Case:
     def options(self) -> dict:
         options = {"mesh": {"pp": self.pp, "dp": self.dp, **({"ep": self.ep} if self.ep != 1 else {})},
                    "zero": self.zero, "bucket_mb": self.bucket_mb, "overlap": self.overlap,
-                   "prefetch": self.prefetch, "codegen": self.codegen}
+                   "prefetch": self.prefetch, "codegen": self.codegen,
+                   "activation_checkpointing": {"mode": self.checkpointing}}
         if self.schedule is not None:
             pipeline = {"schedule": self.schedule}
             if self.microbatches is not None:
@@ -68,7 +70,7 @@ class Case:
         schedule = f"{self.schedule}(m={self.microbatches},v={self.stages_per_rank})" if self.schedule else "no-pp"
         return (f"{self.model} pp{self.pp} dp{self.dp} ep{self.ep} zero{self.zero} {schedule} "
                 f"bucket={self.bucket_mb} overlap={self.overlap} prefetch={self.prefetch} {self.codegen} "
-                f"{self.optimizer}")
+                f"ac={self.checkpointing} {self.optimizer}")
 
 
 def expected_errors(case: Case) -> set[str]:
@@ -121,7 +123,8 @@ def cases(draw) -> Case:
     return Case(model=model, pp=pp, dp=dp, ep=ep, zero=draw(st.sampled_from((0, 1, 2, 3))), schedule=schedule,
                 microbatches=microbatches, stages_per_rank=stages_per_rank,
                 bucket_mb=draw(st.sampled_from((25.0, 0.001))), overlap=draw(st.booleans()),
-                prefetch=draw(st.sampled_from((0, 1, 2))), optimizer=draw(st.sampled_from(("sgd", "adamw_eps"))))
+                prefetch=draw(st.sampled_from((0, 1, 2))), optimizer=draw(st.sampled_from(("sgd", "adamw_eps"))),
+                checkpointing=draw(st.sampled_from(("none", "full", "selective"))))
 
 
 def train_case(rank: int, world: int, case: Case) -> dict:
