@@ -18,8 +18,27 @@ CASES = ([(name, strategy) for name in HUGGING_FACE for strategy in STRATEGIES] 
          else [("llama", "zero3"), ("t5", "zero3"), ("qwen2", "1f1b")])
 
 
+def _check_parity(results: list[dict], param_error: float = 0.0) -> None:
+    """Losses within 1e-5 of one process's; every parameter `allclose` to its, or with
+    `param_error`, within that much of its largest value (`training.relative_error`)."""
+    for rank, result in enumerate(results):
+        assert max(result["loss_errors"]) < 1e-5, (rank, result["loss_errors"])
+        assert all(error <= param_error for error in result["mismatched"].values()), (rank, result["mismatched"])
+
+
 @pytest.mark.parametrize("name, strategy", CASES, ids=[f"{name}-{strategy}" for name, strategy in CASES])
 def test_a_hugging_face_model_trains_as_one_process_does(name, strategy):
-    for rank, result in enumerate(run_ranks(hf_parity_worker, 2, name, STRATEGIES[strategy])):
-        assert max(result["loss_errors"]) < 1e-5, (rank, result["loss_errors"])
-        assert not result["mismatched"], (rank, result["mismatched"])
+    _check_parity(run_ranks(hf_parity_worker, 2, name, STRATEGIES[strategy]))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_t5_trains_on_one_row_a_rank_or_a_microbatch(strategy):
+    """T5 adds one position bias to every row's attention scores. At one row, autograd writes no
+    sum over the batch for its gradient (a rank's already has the bias's shape), and squeezes
+    the row away: the rows' sum, which piper_fx places as each rank's part of it
+    (`specs._squeeze_one_row`). Before, planning stopped at the squeeze. The rows' sums are
+    then the ranks' (or microbatches') where one process sums its rows, so a few parameters
+    are off by fp32 rounding: within 1e-5 of each one's largest value, as the strategy tests
+    bound them (measured: 6.8e-7)."""
+    rows = 1 if strategy == "zero3" else 2  # a replica's; under the pipeline, 2 microbatches of one
+    _check_parity(run_ranks(hf_parity_worker, 2, "t5", STRATEGIES[strategy], 3, rows), param_error=1e-5)

@@ -315,6 +315,25 @@ def test_a_slice_assignment_is_placed_as_what_it_copies():
         _propagate(lambda source, out: torch.ops.aten.copy(out, source), ((9,), Shard(0)), ((4, 9), Shard(0)))
 
 
+def test_a_gradient_of_one_row_squeezed_to_a_broadcast_values_shape_is_the_rows_sum():
+    # T5's position bias, one row broadcast along the batch: at one row a rank's gradient of the
+    # scores already has the bias's shape, and autograd squeezes the row away with no sum over
+    # the batch. Each rank holds its row's part of the sum: Partial(sum).
+    import torch.fx.traceback as fx_traceback
+
+    def bias_gradient(grad_scores):
+        with fx_traceback._set_autograd_backward():
+            return torch.ops.aten.squeeze.dim(grad_scores, 0) * 2
+
+    with fx_traceback.preserve_node_meta():
+        graph = _propagate(bias_gradient, ((1, 2, 9, 9), Shard(0)))
+    assert _specs(graph, torch.ops.aten.squeeze.dim) == [Partial("sum")]
+    assert _specs(graph, torch.ops.aten.mul.Tensor) == [Partial("sum")]
+    # In the forward, squeezing the batch away is a model written for one row: no placement.
+    with pytest.raises(PiperError, match="squeezes dim 0 away only of a gradient"):
+        _propagate(lambda x: torch.ops.aten.squeeze.dim(x, 0), ((1, 2, 9, 9), Shard(0)))
+
+
 def test_dtensor_is_asked_with_every_argument_that_decides_the_placement():
     # The sum over the rows is a partial sum, over the columns this rank's rows: DTensor's
     # own cache keys only the arguments an op's schema info names, so both must be asked as such.

@@ -692,12 +692,12 @@ class LossOf(nn.Module):
         return self.model(input_ids=x, labels=y).loss
 
 
-def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3) -> dict:
+def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3, rows: int = 4) -> dict:
     """A tiny Hugging Face model (`HUGGING_FACE[name]`) trained with piper_fx on this rank's
-    shard against one copy on the global batch (SGD with momentum): relative errors of the
-    losses, and the parameters (by name) whose final values are not those of the copy
-    (`torch.allclose`, rtol 1e-5, atol 1e-7: a key projection's bias has no gradient but
-    rounding). Under a pipeline, the compiled module is the model in a `LossOf`."""
+    shard of `rows` rows a replica against one copy on the global batch (SGD with momentum):
+    relative errors of the losses, and the parameters (by name) whose final values are not
+    those of the copy (`torch.allclose`, rtol 1e-5, atol 1e-7: a key projection's bias has
+    no gradient but rounding). Under a pipeline, the compiled module is the model in a `LossOf`."""
     torch.manual_seed(0)
     reference = HUGGING_FACE[name]()
     torch.manual_seed(0)
@@ -711,7 +711,7 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
                          options=options)
     loss_errors = []
     for i in range(steps):
-        x, y = llama_batch(i, 4 * dp)  # 4 rows a replica: 2 a microbatch under a pipeline
+        x, y = llama_batch(i, rows * dp)  # by default 4 rows a replica: 2 a microbatch under a pipeline
         loss = step(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
         loss.backward()
         opt.step()

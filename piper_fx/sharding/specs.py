@@ -30,9 +30,11 @@ guessed. A call's placement comes from the first of these that applies:
    (`_RULES`): attention kernels that compute each batch row from that row
    alone, row statistics (var_mean) and dtype conversions (prims'), which
    DTensor has rules for from torch 2.13 only, scatter-adds whose every rank
-   adds its own rows (the embedding backward as Inductor decomposes it), and
+   adds its own rows (the embedding backward as Inductor decomposes it),
    the functional copy and fill of a slice assignment (DTensor's rules are the
-   in-place ops').
+   in-place ops'), and the squeeze of a one-row gradient whose sum over the
+   batch autograd did not write (a value broadcast along the batch, at one row
+   a rank).
    Each rule holds only for the input placements it names; for others the op
    goes on to 6.
 6. DTensor's own sharding propagator (`dtensor_rules`; the rules DTensor's dispatch uses),
@@ -214,6 +216,23 @@ def _copy(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     return placed[source], []
 
 
+def _squeeze_one_row(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """`aten.squeeze` of dim 0 of a `Shard(0)` gradient of one row on this rank: the gradient
+    of a value of one row broadcast along the batch (a position bias added to every row's
+    attention scores), whose sum over the batch's rows autograd did not write, since at one
+    row a rank's gradient already has the value's shape. The rows' sum is the gradient:
+    each rank holds its row's part, `Partial(sum)`, of the squeezed value, and the rest of
+    the backward is linear in it. A forward value stays unplaced: squeezing the batch away
+    there means a model written for one row."""
+    (source, placement), = inputs
+    dims = node.args[1] if len(node.args) > 1 else None
+    dims = range(source.meta["val"].dim()) if dims is None else [dims] if isinstance(dims, int) else dims
+    if not (placement == Shard(0) and source.meta["val"].shape[0] == 1 and 0 in dims
+            and node.meta.get("autograd_backward")):
+        raise NoRule("it squeezes dim 0 away only of a gradient of one row Shard(0)")
+    return Partial("sum"), []
+
+
 _RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any, list]]] = {
     # CPU flash attention (DTensor has rules for the CUDA kernels, not these): batch row b
     # of the output (and log-sum-exp), and of the gradients, reads row b of q, k, v alone.
@@ -228,6 +247,9 @@ _RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any
     aten.index_put.default: _index_put,
     aten.copy.default: _copy,
     aten.fill.Tensor: _copy,
+    aten.squeeze.dim: _squeeze_one_row,
+    aten.squeeze.dims: _squeeze_one_row,
+    aten.squeeze.default: _squeeze_one_row,
 }
 
 
