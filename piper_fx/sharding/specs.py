@@ -225,9 +225,10 @@ def _squeeze_one_row(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> 
     the backward is linear in it. A forward value stays unplaced: squeezing the batch away
     there means a model written for one row."""
     (source, placement), = inputs
-    dims = node.args[1] if len(node.args) > 1 else None
-    dims = range(source.meta["val"].dim()) if dims is None else [dims] if isinstance(dims, int) else dims
-    if not (placement == Shard(0) and source.meta["val"].shape[0] == 1 and 0 in dims
+    ndim = source.meta["val"].dim()
+    dims = node.args[1] if len(node.args) > 1 else range(ndim)
+    dims = [dims] if isinstance(dims, int) else dims
+    if not (placement == Shard(0) and source.meta["val"].shape[0] == 1 and 0 in [d % ndim for d in dims]
             and node.meta.get("autograd_backward")):
         raise NoRule("it squeezes dim 0 away only of a gradient of one row Shard(0)")
     return Partial("sum"), []
