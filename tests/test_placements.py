@@ -333,6 +333,25 @@ def test_a_gradient_of_one_row_squeezed_to_a_broadcast_values_shape_is_the_rows_
         _propagate(lambda x: torch.ops.aten.squeeze.dim(x, 0), ((1, 2, 9, 9), Shard(0)))
 
 
+def test_indexing_a_batch_by_its_row_numbers_keeps_its_rows():
+    # Hugging Face's masks read each row's attention mask at every key position:
+    # mask[arange(rows)[:, None, None, None], positions[None, None, None, :]].
+    def row_masks(mask, renumber):
+        rows = renumber(torch.arange(mask.shape[0])).view(-1, 1, 1, 1)
+        return mask[rows, (torch.arange(mask.shape[1]) + 0)[None, None, None, :]]
+
+    in_order = _propagate(lambda mask: row_masks(mask, lambda rows: rows), ((4, 9), Shard(0)))
+    assert _specs(in_order, torch.ops.aten.index.Tensor) == [Shard(0)]
+    # As Inductor's decompositions number them.
+    iota = lambda rows: torch.ops.prims.iota(len(rows), start=0, step=1, dtype=torch.int64,  # noqa: E731
+                                             device=rows.device, requires_grad=False)
+    decomposed = _propagate(lambda mask: row_masks(mask, iota), ((4, 9), Shard(0)))
+    assert _specs(decomposed, torch.ops.aten.index.Tensor) == [Shard(0)]
+    # Rows in another order are no longer each rank's own: the rule does not hold.
+    reversed_rows = _propagate(lambda mask: row_masks(mask, lambda rows: rows.flip(0)), ((4, 9), Shard(0)))
+    assert _specs(reversed_rows, torch.ops.aten.index.Tensor) != [Shard(0)]
+
+
 def test_dtensor_is_asked_with_every_argument_that_decides_the_placement():
     # The sum over the rows is a partial sum, over the columns this rank's rows: DTensor's
     # own cache keys only the arguments an op's schema info names, so both must be asked as such.

@@ -688,16 +688,29 @@ class LossOf(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, x, y):
-        return self.model(input_ids=x, labels=y).loss
+    def forward(self, x, y, attention_mask=None):
+        return self.model(input_ids=x, attention_mask=attention_mask, labels=y).loss
 
 
-def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3, rows: int = 4) -> dict:
+def padded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch with every other row's last 3 tokens padding, as a tokenizer pads a batch to
+    its longest row: their attention mask is 0 and their labels -100. Every pair of rows
+    holds the same number of tokens, so any split of the batch into pairs of rows has the
+    same mean loss over its tokens as the whole batch."""
+    mask = torch.ones_like(x)
+    mask[::2, -3:] = 0
+    return x, y.masked_fill(mask == 0, -100), mask
+
+
+def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3, rows: int = 4,
+                     pad: bool = False) -> dict:
     """A tiny Hugging Face model (`HUGGING_FACE[name]`) trained with piper_fx on this rank's
     shard of `rows` rows a replica against one copy on the global batch (SGD with momentum):
     relative errors of the losses, and the parameters (by name) whose final values are not
     those of the copy (`torch.allclose`, rtol 1e-5, atol 1e-7: a key projection's bias has
-    no gradient but rounding). Under a pipeline, the compiled module is the model in a `LossOf`."""
+    no gradient but rounding). Under a pipeline, the compiled module is the model in a
+    `LossOf`. With `pad`, the batch is `padded`, and the model is called with its attention
+    mask."""
     torch.manual_seed(0)
     reference = HUGGING_FACE[name]()
     torch.manual_seed(0)
@@ -707,16 +720,19 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     compiled = LossOf(model) if mesh.get("pp", 1) > 1 else None
     piper_fx.prepare(compiled or model, options)
     opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
-    step = torch.compile(compiled or (lambda x, y: model(input_ids=x, labels=y).loss), backend="piper",
-                         options=options)
+    def loss_of(x, y, attention_mask=None):
+        return model(input_ids=x, attention_mask=attention_mask, labels=y).loss
+
+    step = torch.compile(compiled or loss_of, backend="piper", options=options)
     loss_errors = []
     for i in range(steps):
-        x, y = llama_batch(i, rows * dp)  # by default 4 rows a replica: 2 a microbatch under a pipeline
-        loss = step(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
+        batch = llama_batch(i, rows * dp)  # by default 4 rows a replica: 2 a microbatch under a pipeline
+        batch = padded(*batch) if pad else batch
+        loss = step(*(t.chunk(dp)[rank % dp] for t in batch))
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_loss = reference(input_ids=x, labels=y).loss
+        ref_loss = LossOf(reference)(*batch)
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()

@@ -32,7 +32,8 @@ guessed. A call's placement comes from the first of these that applies:
    DTensor has rules for from torch 2.13 only, scatter-adds whose every rank
    adds its own rows (the embedding backward as Inductor decomposes it),
    the functional copy and fill of a slice assignment (DTensor's rules are the
-   in-place ops'), and the squeeze of a one-row gradient whose sum over the
+   in-place ops'), the indexing of a batch by its row numbers (Hugging Face's
+   attention masks), and the squeeze of a one-row gradient whose sum over the
    batch autograd did not write (a value broadcast along the batch, at one row
    a rank).
    Each rule holds only for the input placements it names; for others the op
@@ -216,6 +217,56 @@ def _copy(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     return placed[source], []
 
 
+# Ops that keep every value of their first argument where it is, only reshaping: what the row
+# numbers `torch.arange(rows)` pass through on their way to an index (`_row_numbers`).
+_SAME_VALUES = {aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                aten.expand.default, aten.clone.default, aten.alias.default, aten._to_copy.default,
+                torch.ops.prims.convert_element_type.default}
+
+
+def _row_numbers(node: fx.Node, rows: int) -> bool:
+    """Whether `node` holds 0, 1, ..., rows - 1 along its dim 0 and nothing else (every other
+    dimension of size 1): `torch.arange(rows)` (`prims.iota` as Inductor decomposes it)
+    reshaped, or offset by 0, as Hugging Face's masks number the batch's rows to index the
+    attention mask with."""
+    val = node.meta.get("val")
+    if not (isinstance(val, torch.Tensor) and val.dim() >= 1 and val.shape[0] == rows and val.numel() == rows):
+        return False
+    while node.target in _SAME_VALUES or node.target is aten.add.Tensor and node.args[1] == 0:
+        node = node.args[0]
+        if not isinstance(node, fx.Node):
+            return False
+    if node.target is aten.arange.default:
+        return node.args[0] == rows
+    if node.target is torch.ops.prims.iota.default:
+        return node.args[0] == rows and node.kwargs.get("start") == 0 and node.kwargs.get("step") == 1
+    if node.target in (aten.arange.start, aten.arange.start_step):
+        return node.args[0] == 0 and node.args[1] == rows and (node.args[2:] or (1,))[0] == 1
+    return False
+
+
+def _index_rows(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """`aten.index(x, [rows, ...])` of a `Shard(0)` `x` whose dim-0 index is its row numbers
+    (`_row_numbers`: this rank's rows in order, each the same on every rank) and whose other
+    indices are replicated and do not vary along the rows: each row of the result is that
+    row of `x`, indexed on the other dimensions alike, so the result is `Shard(0)` (as
+    Hugging Face's masks read each row's attention mask, `mask[batch_rows, kv_positions]`).
+    DTensor's rule reads a sharded indexed dimension as replicated."""
+    source, indices = node.args[:2]
+    rows = source.meta["val"].shape[0]
+    if not (source.meta.get(SPEC_KEY) == Shard(0) and indices and isinstance(indices[0], fx.Node)
+            and _row_numbers(indices[0], rows)):
+        raise NoRule("it indexes dim 0 of a Shard(0) tensor by its row numbers only")
+    for index in indices[1:]:
+        if index is None:
+            continue
+        val = index.meta["val"]
+        if not (isinstance(index.meta.get(SPEC_KEY), Replicate) and val.dim() >= indices[0].meta["val"].dim()
+                and val.shape[val.dim() - indices[0].meta["val"].dim()] == 1):
+            raise NoRule(f"its index {index.name} is not replicated alike for every row")
+    return Shard(0), []
+
+
 def _squeeze_one_row(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     """`aten.squeeze` of dim 0 of a `Shard(0)` gradient of one row on this rank: the gradient
     of a value of one row broadcast along the batch (a position bias added to every row's
@@ -248,6 +299,7 @@ _RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any
     aten.index_put.default: _index_put,
     aten.copy.default: _copy,
     aten.fill.Tensor: _copy,
+    aten.index.Tensor: _index_rows,
     aten.squeeze.dim: _squeeze_one_row,
     aten.squeeze.dims: _squeeze_one_row,
     aten.squeeze.default: _squeeze_one_row,
