@@ -43,6 +43,14 @@ def test_a_padded_batch_trains_as_one_process_does(name, strategy):
     _check_parity(run_ranks(hf_parity_worker, 2, name, STRATEGIES[strategy], 3, 4, True))
 
 
+def test_a_model_checkpointing_its_layers_trains_as_one_process_does():
+    """Llama with transformers' activation checkpointing: each layer's forward runs under
+    `torch.utils.checkpoint`, and Llama then materializes its causal mask, alike on every
+    rank for its rows, which the attention reads as this rank's rows (`specs._batch_rows`);
+    before, planning refused the replicated mask."""
+    _check_parity(run_ranks(hf_parity_worker, 2, "llama", ZERO3, 3, 4, False, True))
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_t5_trains_on_one_row_a_rank_or_a_microbatch(strategy):
     """T5 adds one position bias to every row's attention scores. At one row, autograd writes no

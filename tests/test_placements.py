@@ -236,6 +236,13 @@ def test_cpu_flash_attention_and_its_backward_are_row_wise_in_the_batch():
     # A key of the whole batch on every rank is not this rank's rows of it: no placement fits.
     with pytest.raises(PiperError, match="_scaled_dot_product_flash_attention_for_cpu.default"):
         _propagate(_attention, (QKV, Shard(0)), (QKV, Replicate()), (QKV, Shard(0)))
+    # A mask made alike on every rank for its rows (Hugging Face's causal mask, materialized
+    # for gradient checkpointing) is read as this rank's rows of the batch's mask.
+    masked = _propagate(lambda q, k, v, mask: FLASH(q, k, v, 0.0, False, attn_mask=mask),
+                        (QKV, Shard(0)), (QKV, Shard(0)), (QKV, Shard(0)), ((4, 1, 9, 9), Replicate()))
+    flash, = (n for n in masked.nodes if n.target == FLASH)
+    assert flash.meta[SPEC_KEY] == (Shard(0), Shard(0))
+    assert flash.meta[READS_KEY] == (("mask_1", Shard(0)),)
 
 
 def test_a_scatter_add_of_each_ranks_rows_into_zeros_is_a_partial_sum():

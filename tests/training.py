@@ -703,18 +703,23 @@ def padded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3, rows: int = 4,
-                     pad: bool = False) -> dict:
+                     pad: bool = False, checkpointed: bool = False) -> dict:
     """A tiny Hugging Face model (`HUGGING_FACE[name]`) trained with piper_fx on this rank's
     shard of `rows` rows a replica against one copy on the global batch (SGD with momentum):
     relative errors of the losses, and the parameters (by name) whose final values are not
     those of the copy (`torch.allclose`, rtol 1e-5, atol 1e-7: a key projection's bias has
     no gradient but rounding). Under a pipeline, the compiled module is the model in a
     `LossOf`. With `pad`, the batch is `padded`, and the model is called with its attention
-    mask."""
+    mask. With `checkpointed`, the model recomputes its layers' activations in the backward
+    (transformers' `activation_checkpointing_enable`, non-reentrant, with no key and value
+    cache, whose warning that it is off would break the graph)."""
     torch.manual_seed(0)
     reference = HUGGING_FACE[name]()
     torch.manual_seed(0)
     model = HUGGING_FACE[name]()
+    if checkpointed:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+        model.config.use_cache = False
     mesh = options.get("mesh", {})
     dp = mesh.get("dp", world // mesh.get("pp", 1))
     compiled = LossOf(model) if mesh.get("pp", 1) > 1 else None

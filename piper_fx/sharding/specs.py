@@ -126,21 +126,28 @@ def _batch_rows(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     """For an op that computes row b of each result (dim 0: the batch) from row b of each
     input alone: with every input `Shard(0)` (or `Replicate()` with dim 0 of size 1, which
     every row reads alike, e.g. an attention mask), every result is `Shard(0)`, and the
-    rows of the batch are those of the inputs."""
+    rows of the batch are those of the inputs. A `Replicate()` attention mask of the
+    batch's rows (built for this rank's rows, as Hugging Face's is where it materializes a
+    causal mask for the attention) is read as this rank's rows, as DTensor's rules read
+    such a tensor (`READS_KEY`)."""
     sharded = [a for a, s in inputs if s == Shard(0)]
     if not sharded:
         raise NoRule("it computes each batch row from that row alone, but no input is Shard(0)")
     rows = sharded[0].meta["val"].shape[0]
+    reads = []
     for a, s in inputs:
         val = a.meta["val"]
-        if not (s == Shard(0) and val.shape[0] == rows
-                or isinstance(s, Replicate) and val.dim() >= 1 and val.shape[0] == 1):
+        if a is node.kwargs.get("attn_mask") and isinstance(s, Replicate) and val.dim() >= 1 \
+                and val.shape[0] == rows != 1:
+            reads.append((a, Shard(0)))
+        elif not (s == Shard(0) and val.shape[0] == rows
+                  or isinstance(s, Replicate) and val.dim() >= 1 and val.shape[0] == 1):
             raise NoRule(f"it computes each batch row from that row alone, so it needs every input Shard(0) "
-                          f"with the batch's {rows} rows (or Replicate() with 1 row), not {a.name}: "
-                          f"{format_spec(s)} with {tuple(val.shape)}")
+                          f"with the batch's {rows} rows (or Replicate() with 1 row, or a mask of those "
+                          f"rows), not {a.name}: {format_spec(s)} with {tuple(val.shape)}")
     if not all(o.dim() >= 1 and o.shape[0] == rows for o in tensors(node.meta.get("val"))):
         raise NoRule(f"a result of it does not have the batch's {rows} rows")
-    return _alike(node.meta.get("val"), Shard(0)), []
+    return _alike(node.meta.get("val"), Shard(0)), reads
 
 
 def _scatter_add(destination: fx.Node, keys: list[fx.Node], values: fx.Node) -> Placement:
