@@ -45,6 +45,15 @@ def _mean_over_ranks(loss: torch.Tensor, world: int) -> float:
     return loss.item() / world
 
 
+def _backward_and_step(losses: tuple[torch.Tensor, ...], optimizers: list[torch.optim.Optimizer]) -> None:
+    """Each side's backward from its loss, then each side's optimizer step."""
+    for loss in losses:
+        loss.backward()
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+
+
 def _fp32_comm_bytes(options: dict, cfg: GPTConfig, pp_regions: bool, x, y, rank: int, dp: int) -> dict:
     """The bytes of one step's collectives under `options` without mixed precision."""
     options = {k: v for k, v in options.items() if k != "mixed_precision"}
@@ -87,11 +96,7 @@ def mixed_precision_worker(rank: int, world: int, options: dict, optimizer: str 
         piper_loss = step(x[rank % dp * rows:][:rows], y[rank % dp * rows:][:rows])
         fsdp_loss = fsdp(x.chunk(world)[rank], y.chunk(world)[rank])
         single_loss = _single_process_step(single, x, y, policy)
-        for loss in (piper_loss, fsdp_loss, single_loss):
-            loss.backward()
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+        _backward_and_step((piper_loss, fsdp_loss, single_loss), optimizers)
         losses["piper"].append(_mean_over_ranks(piper_loss, world))
         losses["fsdp2"].append(_mean_over_ranks(fsdp_loss, world))
         losses["single"].append(single_loss.item())
@@ -141,11 +146,7 @@ def hf_mixed_precision_worker(rank: int, world: int, name: str, options: dict, o
         rows = x.shape[0] // dp
         piper_loss = step(x[rank % dp * rows:][:rows], y[rank % dp * rows:][:rows])
         fsdp_loss = fsdp(input_ids=x.chunk(world)[rank], labels=y.chunk(world)[rank]).loss
-        for loss in (piper_loss, fsdp_loss):
-            loss.backward()
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+        _backward_and_step((piper_loss, fsdp_loss), optimizers)
         losses["piper"].append(_mean_over_ranks(piper_loss, world))
         losses["fsdp2"].append(_mean_over_ranks(fsdp_loss, world))
     return {
