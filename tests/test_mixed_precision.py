@@ -1,12 +1,14 @@
 """Mixed precision with FSDP2's `MixedPrecisionPolicy` semantics (option `mixed_precision`).
 
-piper_fx traces the policy's casts into the program (`capture`), gathers
+piper_fx has Dynamo trace the model with its parameters in `param_dtype`
+(`prepare`), traces the policy's casts into the program (`capture`), gathers
 parameters in `param_dtype` (`unshard_parameters`) and reduces gradients in
 `reduce_dtype` (`reduce_gradients`), keeping fp32 parameters and optimizer
-state. Each case trains the example GPT 10 steps with piper_fx, with FSDP2
+state. Each case of the example GPT trains it 10 steps with piper_fx, with FSDP2
 `fully_shard` per block and at the root under the same policy, and in one
 process reading its parameters cast to `param_dtype`, on the same global
-batches (real gloo ranks, eager codegen).
+batches (real gloo ranks, eager codegen); the Hugging Face cases train 3 steps
+against FSDP2 `fully_shard` per layer and at the root.
 
 The bounds:
 - FSDP2: parameters exactly equal. Both run the same ATen ops in bf16 on the
@@ -129,8 +131,8 @@ def test_t5_in_bf16_stays_within_bf16_rounding_of_fsdp2():
     sum the gradients of a value used by several blocks (the encoder's output, the position
     bias) block by block, and its unsharded bf16 embedding sums the gradients of its three
     reads in bf16, where piper_fx's graph sums them as one process does, and the three
-    gathered reads' in fp32. After 3 SGD steps every parameter is within 2 bf16 ulps of its
-    largest value of FSDP2's (measured: 0.93), and the losses (bf16, T5 computes its loss in
+    gathered reads' in fp32. After 3 SGD steps every parameter is within 2 bf16 ulps (at its
+    largest value) of FSDP2's (measured: 0.93), and the losses (bf16, T5 computes its loss in
     the logits' dtype) are equal."""
     options = {"codegen": "eager", "mesh": {"dp": 2}, "zero": 3, "mixed_precision": BF16_FP32}
     result = run_ranks(hf_mixed_precision_worker, 2, "t5", options, "sgd", deadline_s=300)[0]
