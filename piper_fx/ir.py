@@ -223,10 +223,11 @@ class RankProgram:
     accumulated: set[str]
     outputs: list[str]
     num_microbatches: int
-    # Send tag -> the tag of the receive on this rank whose arrival shows the peer has the
+    # (peer, send tag) -> the tag of the receive from that peer whose arrival shows it has the
     # sent tensor (the first message the peer sends back after it waited for this one);
     # sends without one are known complete only when their backend says so, or at the end.
-    acknowledged_by: dict[int, int] = field(default_factory=dict)
+    # A tag is a transfer's between two ranks: a value sent to several peers has one tag.
+    acknowledged_by: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def key(self, name: str, microbatch: int | None) -> tuple[str, int | None]:
         return (name, None) if name in self.per_step else (name, microbatch)

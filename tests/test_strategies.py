@@ -14,7 +14,7 @@ import os
 
 from hypothesis import HealthCheck, Phase, given, settings
 
-from strategy_space import cases, check_outcomes, train_case
+from strategy_space import Case, cases, check_outcomes, train_case
 
 EXAMPLES = int(os.environ.get("PIPER_STRATEGY_EXAMPLES", "0"))
 PROFILE = settings(
@@ -33,3 +33,14 @@ PROFILE = settings(
 def test_generated_strategies_train_like_one_process_or_are_config_errors(rank_pools, case):
     print(case.label())
     check_outcomes(case, rank_pools(case.world).run(train_case, case, deadline_s=400))
+
+
+def test_a_value_sent_to_several_ranks_is_let_go_per_peer(rank_pools):
+    """Found by the search: the MLP's first output, sent to every later stage's rank under one
+    tag (a transfer's tag is a pair of ranks' own), was let go, and its send to every rank
+    waited for, once the first peer had answered. Under gloo that send waits for the other
+    peers' receives, which waited for this rank: the step hung until gloo's timeout. A send
+    is now let go when its own peer answers (`RankProgram.acknowledged_by`, by peer)."""
+    case = Case(model="mlp", pp=4, dp=1, zero=0, schedule="zbv", microbatches=5, overlap=False, prefetch=0,
+                optimizer="sgd")
+    check_outcomes(case, rank_pools(case.world).run(train_case, case, deadline_s=120))

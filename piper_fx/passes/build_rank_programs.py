@@ -316,7 +316,8 @@ def _acknowledge_sends(programs: dict[int, RankProgram]) -> None:
     sends back at or after its first instruction reading the sent value (where its runtime
     waits for the receive; not a receive, which waits for nothing), if any. Such a message
     leaves the peer only once the send's bytes have arrived there."""
-    answers: dict[int, dict[int, int]] = {}  # rank -> tag of a receive there -> tag of its answer
+    # rank -> (sender, tag) of a receive there -> tag of its answer (tags are a pair's own)
+    answers: dict[int, dict[tuple[int, int], int]] = {}
     for rank, program in programs.items():
         instructions = program.instructions
         readers: dict[tuple, list[int]] = {}  # value -> the instructions reading it, in order
@@ -335,9 +336,10 @@ def _acknowledge_sends(programs: dict[int, RankProgram]) -> None:
             first_read = read[bisect.bisect_right(read, index)] if read and read[-1] > index else None
             back = sends.get(instruction.peer, [])
             if first_read is not None and back and back[-1] >= first_read:
-                answers[rank][instruction.tag] = instructions[back[bisect.bisect_left(back, first_read)]].tag
-    for program in programs.values():
+                answers[rank][(instruction.peer, instruction.tag)] = \
+                    instructions[back[bisect.bisect_left(back, first_read)]].tag
+    for rank, program in programs.items():
         for send in (i for i in program.instructions if isinstance(i, Send)):
-            answer = answers.get(send.peer, {}).get(send.tag)
+            answer = answers.get(send.peer, {}).get((rank, send.tag))
             if answer is not None:
-                program.acknowledged_by[send.tag] = answer
+                program.acknowledged_by[(send.peer, send.tag)] = answer

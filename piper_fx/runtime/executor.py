@@ -55,13 +55,15 @@ def _release_completed(sends: collections.deque[Sending], memory: HeldBytes | No
             memory.release(send.wire)
 
 
-def _release_acknowledged(sends: collections.deque[Sending], tags: frozenset[int], memory: HeldBytes | None) -> None:
-    """Let go of the sends tagged `tags`, which the peer has received (`RankProgram.acknowledged_by`):
+def _release_acknowledged(sends: collections.deque[Sending], peer: int, tags: frozenset[int],
+                          memory: HeldBytes | None) -> None:
+    """Let go of the sends to `peer` tagged `tags`, which it has received (`RankProgram.acknowledged_by`;
+    a value sent to several peers has one tag, and another peer may not have received it yet):
     their works are waited for, which returns at once, and their tensors no longer held.
     Only a send with a work of its own (gloo's): one work for a whole batch (NCCL's group)
     also waits for the batch's receives, which the peer may send only later; NCCL's works
     report completion themselves (`_release_completed`)."""
-    for send in [send for send in sends if send.tag in tags and send.batch.per_message]:
+    for send in [send for send in sends if send.peer == peer and send.tag in tags and send.batch.per_message]:
         send.batch.wait(send.message)
         sends.remove(send)
         if memory is not None:
@@ -188,10 +190,10 @@ class ProgramExecutor:
         self.results: dict[int, list[tuple[int, bool]]] = {
             index: [(slots[key], summed) for key, summed in stored] for index, stored in results.items()}
         self.moved: dict[int, int] = {index: slots[key] for index, key in moved.items()}  # a send's or receive's value
-        # Receive tag -> the tags of the sends whose tensors the peer has once it arrived.
-        acknowledges: dict[int, set[int]] = {}
-        for send, receive in program.acknowledged_by.items():
-            acknowledges.setdefault(receive, set()).add(send)
+        # (peer, receive tag) -> the tags of the sends to that peer whose tensors it has once it arrived.
+        acknowledges: dict[tuple[int, int], set[int]] = {}
+        for (peer, send), receive in program.acknowledged_by.items():
+            acknowledges.setdefault((peer, receive), set()).add(send)
         self.acknowledges = {tag: frozenset(sends) for tag, sends in acknowledges.items()}
         self.labels = {index: program.instructions[index].label for index in self.results}  # the runs' spans
         self.task_peaks = self._task_peaks(reads, drop_after)
@@ -276,9 +278,10 @@ class ProgramExecutor:
                     values.accumulate(slot, buffer)
                 else:
                     values.set(slot, buffer)
-                acknowledged = acknowledges.get(posted.instruction.tag)
+                peer = posted.instruction.peer
+                acknowledged = acknowledges.get((peer, posted.instruction.tag))
                 if acknowledged and pending_sends:
-                    _release_acknowledged(pending_sends, acknowledged, memory)
+                    _release_acknowledged(pending_sends, peer, acknowledged, memory)
 
         memory: HeldBytes | None = None
         if counting:

@@ -75,12 +75,12 @@ class P2PBatch:
     def __init__(self, timeline: StepTimeline):
         self.timeline = timeline
         self.ops: list[tuple] = []  # each message's `dist.P2POp` arguments (op, tensor, peer, tag)
-        self.sends: list[tuple[int, torch.Tensor, int]] = []  # (place in the batch, tensor sent, tag)
+        self.sends: list[tuple[int, torch.Tensor, int, int]] = []  # (place in the batch, tensor sent, peer, tag)
         self.receives: list[tuple[int, Receiving]] = []
         self.issued = 0  # batches issued this step
 
     def send(self, wire: torch.Tensor, instruction: Send) -> None:
-        self.sends.append((len(self.ops), wire, instruction.tag))
+        self.sends.append((len(self.ops), wire, instruction.peer, instruction.tag))
         self.ops.append((dist.isend, wire, instruction.peer, instruction.tag))
 
     def receive(self, posted: Receiving) -> None:
@@ -96,7 +96,7 @@ class P2PBatch:
             issued = Issued(dist.batch_isend_irecv(ops), len(ops))
         for message, posted in self.receives:
             posted.issued = (issued, message)
-        sends = [Sending(issued, message, wire, tag) for message, wire, tag in self.sends]
+        sends = [Sending(issued, message, wire, peer, tag) for message, wire, peer, tag in self.sends]
         self.ops, self.sends, self.receives = [], [], []
         self.issued += 1
         return sends
@@ -104,11 +104,12 @@ class P2PBatch:
 
 @dataclass(frozen=True)
 class Sending:
-    """A send in flight: its batch, its place in it, the tensor it sends and its tag."""
+    """A send in flight: its batch, its place in it, the tensor it sends, its peer and its tag."""
 
     batch: Issued
     message: int
     wire: torch.Tensor
+    peer: int
     tag: int
 
 
