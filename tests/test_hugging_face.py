@@ -38,7 +38,7 @@ def test_a_hugging_face_model_trains_as_one_process_does(name, strategy):
 def test_a_padded_batch_trains_as_one_process_does(name, strategy):
     """The model called with its attention mask, every other row padded. Hugging Face's masks
     read each row's mask by indexing it with the batch's row numbers (`torch.arange`), which
-    piper_fx places as this rank's rows (`specs._index_rows`); before, planning read the
+    piper_fx places as this rank's rows (`op_rules._index_rows`); before, planning read the
     mask as replicated and stopped at the attention."""
     _check_parity(run_ranks(hf_parity_worker, 2, name, STRATEGIES[strategy], 3, 4, True))
 
@@ -46,7 +46,7 @@ def test_a_padded_batch_trains_as_one_process_does(name, strategy):
 def test_a_model_checkpointing_its_layers_trains_as_one_process_does():
     """Llama with transformers' activation checkpointing: each layer's forward runs under
     `torch.utils.checkpoint`, and Llama then materializes its causal mask, alike on every
-    rank for its rows, which the attention reads as this rank's rows (`specs._batch_rows`);
+    rank for its rows, which the attention reads as this rank's rows (`op_rules._batch_rows`);
     before, planning refused the replicated mask."""
     _check_parity(run_ranks(hf_parity_worker, 2, "llama", ZERO3, 3, 4, False, True))
 
@@ -56,7 +56,7 @@ def test_t5_trains_on_one_row_a_rank_or_a_microbatch(strategy):
     """T5 adds one position bias to every row's attention scores. At one row, autograd writes no
     sum over the batch for its gradient (a rank's already has the bias's shape), and squeezes
     the row away: the rows' sum, which piper_fx places as each rank's part of it
-    (`specs._squeeze_one_row`). Before, planning stopped at the squeeze. The rows' sums are
+    (`op_rules._squeeze_one_row`). Before, planning stopped at the squeeze. The rows' sums are
     then the ranks' (or microbatches') where one process sums its rows, so a few parameters
     are off by fp32 rounding: within 1e-5 of each one's largest value, as the strategy tests
     bound them (measured: 6.8e-7)."""

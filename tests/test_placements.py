@@ -404,7 +404,7 @@ def test_layer_norm_statistics_are_row_wise_unless_they_reduce_over_the_rows():
 def test_piper_fx_rules_for_ops_earlier_dtensor_lacks_answer_as_dtensor_does(placement):
     # var_mean and prims.convert_element_type: torch 2.11's DTensor has no rule for them
     # (Inductor's decompositions write a layer norm's statistics and `.to(dtype)` so).
-    from piper_fx.sharding import specs
+    from piper_fx.sharding import op_rules, specs
     from piper_fx.sharding.dtensor_rules import dtensor_answer
 
     def statistics_and_conversion(x):
@@ -414,11 +414,11 @@ def test_piper_fx_rules_for_ops_earlier_dtensor_lacks_answer_as_dtensor_does(pla
     gm = make_fx(statistics_and_conversion, tracing_mode="fake")(torch.randn(4, 6, 8))
     (x,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
     propagate(gm.graph, {x.name: placement}, planning_mesh(2))
-    ruled = [node for node in gm.graph.nodes if node.target in specs._RULES]
+    ruled = [node for node in gm.graph.nodes if node.target in op_rules.RULES]
     assert len(ruled) == 2, gm.graph
     for node in ruled:
         try:
-            ours = specs._RULES[node.target](node, [(x, placement)])
+            ours = op_rules.RULES[node.target](node, [(x, placement)])
         except specs.NoRule:
             ours = None
         if TORCH_VERSION >= (2, 13):  # DTensor's own answer, where it has one, is ours

@@ -65,3 +65,12 @@ def fill_value(node: fx.Node) -> Any:
     if index is not None and len(node.args) > index and isinstance(node.args[index], (int, float, bool)):
         return node.args[index]
     return None
+
+
+def alike(val: Any, placement: Placement) -> Any:
+    """`placement` for every tensor of `val`, None for what is no tensor."""
+    if isinstance(val, torch.Tensor):
+        return placement
+    if isinstance(val, (tuple, list)):
+        return tuple(alike(v, placement) for v in val)
+    return None
