@@ -83,14 +83,19 @@ _TO_COPY = torch.ops.aten._to_copy.default
 
 def cast_dtype(node: fx.Node) -> torch.dtype | None:
     """The dtype `node` converts its input to, if it is a pure dtype cast (`prims.convert_element_type`,
-    or `aten._to_copy` changing nothing but the dtype); else None."""
+    or `aten._to_copy` changing nothing but the dtype: autograd's backward of a cast also names
+    the strided layout and its input's device); else None."""
     if node.op != "call_function":
         return None
     if node.target is CONVERT:
         return node.args[1]
-    if node.target is _TO_COPY and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
-        return node.kwargs["dtype"]
-    return None
+    if node.target is not _TO_COPY or len(node.args) != 1 or "dtype" not in node.kwargs:
+        return None
+    val = getattr(node.args[0], "meta", {}).get("val")
+    same = {"layout": torch.strided, "device": None if val is None else val.device}
+    if any(key not in same or value != same[key] for key, value in node.kwargs.items() if key != "dtype"):
+        return None
+    return node.kwargs["dtype"]
 
 
 # ---- Aliases: ops whose result shares its input's data without reading it.

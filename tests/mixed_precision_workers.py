@@ -68,12 +68,13 @@ def _fp32_comm_bytes(options: dict, cfg: GPTConfig, pp_regions: bool, x, y, rank
 
 
 def mixed_precision_worker(rank: int, world: int, options: dict, optimizer: str = "adamw", steps: int = 10,
-                           per_rank_batch: int = 2, pp_regions: bool = False) -> dict:
-    """Train the GPT `steps` steps with piper_fx under `options`, FSDP2 over every rank with
-    the options' mixed precision as its `MixedPrecisionPolicy`, and one process with the same
-    casts, on the same global batches; return each one's losses and final parameters."""
+                           per_rank_batch: int = 2, pp_regions: bool = False, tied: bool = False) -> dict:
+    """Train the GPT (its head tied to its embedding if `tied`) `steps` steps with piper_fx
+    under `options`, FSDP2 over every rank with the options' mixed precision as its
+    `MixedPrecisionPolicy`, and one process with the same casts, on the same global batches;
+    return each one's losses and final parameters."""
     policy = _policy(options)
-    cfg = GPTConfig(**SMALL, tied_embeddings=False)
+    cfg = GPTConfig(**SMALL, tied_embeddings=tied)
     torch.manual_seed(0)
     model = GPT(cfg)
     fsdp, single = copy.deepcopy(model), copy.deepcopy(model)
@@ -109,6 +110,7 @@ def mixed_precision_worker(rank: int, world: int, options: dict, optimizer: str 
         "initial": initial,
         "loss_dtypes": [str(piper_loss.dtype), str(fsdp_loss.dtype), str(single_loss.dtype)],
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "numel": sum(p.numel() for p in single.parameters()),  # each parameter once, a tied one too
         "piper": {k: v.float() for k, v in piper_fx.full_state_dict(model).items()},
         "fsdp2": {k: _full(v.detach()).clone() for k, v in fsdp.state_dict().items()},
         "single": {k: v.detach().clone() for k, v in single.state_dict().items()},

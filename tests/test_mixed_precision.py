@@ -16,7 +16,8 @@ The bounds:
   rank holds), gather bf16 copies of the same fp32 shards (a cast commutes
   with the gather), and average gradients in `reduce_dtype` over the same
   ranks (a microbatch's gradient is seeded with 1/M, a power of two here,
-  which scales exactly). Losses are equal too, except that with microbatches
+  which scales exactly; a tied weight's reads' gradients are summed in bf16
+  first, as FSDP2's unsharded parameter accumulates them). Losses are equal too, except that with microbatches
   piper_fx returns their mean rounded to bf16.
 - One process: its loss is the mean over the whole batch, computed in bf16,
   where the ranks' are means over their rows, so every gradient differs by
@@ -41,9 +42,9 @@ BF16_FP32 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 PIPELINE = {"mesh": {"pp": 2, "dp": 2}, "zero": 3, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
 
 
-def _train(world: int, options: dict, optimizer: str, pp_regions: bool = False) -> dict:
+def _train(world: int, options: dict, optimizer: str, pp_regions: bool = False, tied: bool = False) -> dict:
     return run_ranks(mixed_precision_worker, world, {"codegen": "eager", **options}, optimizer, 10, 2, pp_regions,
-                     deadline_s=400)[0]
+                     tied, deadline_s=400)[0]
 
 
 def _max_difference(a: dict, b: dict) -> float:
@@ -106,11 +107,27 @@ def test_every_zero_level_with_adamw_equals_fsdp2_exactly(zero, reduce_dtype):
         assert result["comm_bytes"]["all_gather"] * 2 == result["fp32_comm_bytes"]["all_gather"]
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_tied_weight_is_reduced_once_on_its_reads_gradients_summed_in_param_dtype(zero):
+    """The GPT's head tied to its embedding: a weight with a marker per read. Its reads'
+    gradients are summed in bf16 and reduced once, as FSDP2 accumulates its unsharded
+    parameter's gradient: equal to FSDP2 bit for bit (before, each read's gradient was reduced
+    on its own and the two summed in fp32, 2.8e-2 of a parameter's largest value apart after
+    4 AdamW steps), and each parameter's gradient is reduced once."""
+    result = _train(2, {"mesh": {"dp": 2}, "zero": zero, "mixed_precision": BF16_FP32}, "adamw", tied=True)
+    assert result["losses"]["piper"] == result["losses"]["fsdp2"]
+    assert _max_difference(result["piper"], result["fsdp2"]) == 0.0
+    if zero == 1:  # one fp32 all-reduce of every parameter's whole gradient
+        assert result["comm_bytes"]["all_reduce"] == 4 * result["numel"]
+
+
 ONE_F_ONE_B = {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
 # Models that choose dtypes by reading them: Llama's and Qwen2's RMSNorm return
 # `weight * x.to(input_dtype)` and cast their rotary tables to the activations' dtype. Under a
-# pipeline alone (dp = 1) the parameters are plain tensors; Qwen2's head is tied to its embedding.
-HF_EXACT = {"llama-zero3": ("llama", {"mesh": {"dp": 2}, "zero": 3}), "qwen2-1f1b": ("qwen2", ONE_F_ONE_B)}
+# pipeline alone (dp = 1) the parameters are plain tensors; Qwen2's head is tied to its embedding,
+# and so is Gemma's, read by two gathers under ZeRO-3 whose gradients are summed in bf16.
+HF_EXACT = {"llama-zero3": ("llama", {"mesh": {"dp": 2}, "zero": 3}), "qwen2-1f1b": ("qwen2", ONE_F_ONE_B),
+            "gemma-zero3": ("gemma", {"mesh": {"dp": 2}, "zero": 3})}
 
 
 @pytest.mark.parametrize("case", HF_EXACT)
@@ -129,11 +146,9 @@ def test_t5_in_bf16_stays_within_bf16_rounding_of_fsdp2():
     """T5 casts its attention mask to the query's dtype, and shares one embedding between its
     encoder, its decoder and its head. Not bit for bit: FSDP2's hooks at each block's inputs
     sum the gradients of a value used by several blocks (the encoder's output, the position
-    bias) block by block, and its unsharded bf16 embedding sums the gradients of its three
-    reads in bf16, where piper_fx's graph sums them as one process does, and the three
-    gathered reads' in fp32. After 3 SGD steps every parameter is within 2 bf16 ulps (at its
-    largest value) of FSDP2's (measured: 0.93), and the losses (bf16, T5 computes its loss in
-    the logits' dtype) are equal."""
+    bias) block by block, where piper_fx's graph sums them as one process does. After 3 SGD
+    steps every parameter is within 2 bf16 ulps (at its largest value) of FSDP2's (measured:
+    0.93), and the losses (bf16, T5 computes its loss in the logits' dtype) are equal."""
     options = {"codegen": "eager", "mesh": {"dp": 2}, "zero": 3, "mixed_precision": BF16_FP32}
     result = run_ranks(hf_mixed_precision_worker, 2, "t5", options, "sgd", deadline_s=300)[0]
     assert result["losses"]["piper"] == result["losses"]["fsdp2"]

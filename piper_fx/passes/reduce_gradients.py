@@ -23,17 +23,28 @@ agree on the order of collectives.
 Under mixed precision a gradient is reduced in the policy's reduction dtype
 (`reduce_dtype`, else `param_dtype`, as FSDP2): cast to it before its first
 change and back to the parameter's dtype after the last.
+A sharded parameter read by several modules (a tied weight: Dynamo emits a
+marker per module access) is reduced once, on its reads' gradients summed where
+the last is complete (under mixed precision in `param_dtype`, as FSDP2's
+unsharded parameter accumulates its gradient), not once per read. Not under a
+pipeline: stages are cut later (`split_stages`), and a sum of reads in two
+stages would move a whole gradient between them.
 """
 from __future__ import annotations
 
+import contextlib
+
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
 from ..collectives.emit import cast
 from ..collectives.redistribute import AVG, state_redistribution
 from ..ir import InputRole, OutputRole, TrainingDAG
-from ..ops import COMM_NOTE, PHASE, REDUCE_GRAD, STEP_END
+from ..ops import COMM_NOTE, PHASE, REDUCE_GRAD, STEP_END, cast_dtype
 from ..options import Strategy
+
+ADD = torch.ops.aten.add.Tensor
 
 
 def _state(dag: TrainingDAG, strategy: Strategy, grad: fx.Node, changes, group_name: str, *, before: fx.Node,
@@ -52,6 +63,51 @@ def _state(dag: TrainingDAG, strategy: Strategy, grad: fx.Node, changes, group_n
     if grad.meta["val"].dtype != dtype:
         grad = cast(dag.joint.graph, grad, dtype, before=before, like=like, meta=phase)
     return grad
+
+
+def _sum_reads_before_reducing(dag: TrainingDAG, param_dtype: torch.dtype | None) -> None:
+    """Fold `add(reduce_grad(g1), reduce_grad(g2))`, the sum autograd writes for a parameter
+    whose reads each have a marker, into `reduce_grad(g1 + g2)`: one reduction instead of one
+    per read, in autograd's order of the sum. Folded in graph order, so a parameter read n
+    times ends with one marker. Under mixed precision each read's gradient is the cast back
+    of one computed in `param_dtype`: those are summed, and the sum cast once, as FSDP2's
+    unsharded parameter in `param_dtype` accumulates them."""
+    graph = dag.joint.graph
+
+    def marker(node: object) -> bool:
+        return (isinstance(node, fx.Node) and node.op == "call_function" and node.target is REDUCE_GRAD
+                and len(node.users) == 1)
+
+    def in_param_dtype(grad: fx.Node) -> fx.Node | None:
+        source = grad.args[0] if cast_dtype(grad) is not None else None
+        return source if isinstance(source, fx.Node) and source.meta["val"].dtype == param_dtype else None
+
+    for node in list(graph.nodes):
+        if node.target is not ADD or len(node.args) != 2 or node.kwargs or not all(map(marker, node.args)):
+            continue
+        first, second = node.args
+        if first.args[1:] != second.args[1:]:  # another shard's or group's
+            continue
+        grads = [first.args[0], second.args[0]]
+        sources = [in_param_dtype(g) for g in grads]
+        if None in sources:
+            sources = grads
+        with graph.inserting_before(node):
+            total = graph.call_function(ADD, tuple(sources))
+        total.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        val = sources[0].meta["val"]
+        with val.fake_mode if hasattr(val, "fake_mode") else contextlib.nullcontext():
+            total.meta["val"] = ADD(val, sources[1].meta["val"])
+        if sources is not grads:
+            total = cast(graph, total, grads[0].meta["val"].dtype, before=node, like=node)
+        with graph.inserting_before(node):
+            folded = graph.call_function(REDUCE_GRAD, (total, *first.args[1:]))
+        folded.meta.update(first.meta)
+        node.replace_all_uses_with(folded)
+        graph.erase_node(node)
+        for dead in (first, second, *grads):
+            if not dead.users:
+                graph.erase_node(dead)
 
 
 def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:
@@ -93,6 +149,8 @@ def _all_reduce_full_gradients(dag: TrainingDAG, strategy: Strategy) -> None:
 def reduce_gradients(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     if not dag.training or strategy.dp == 1:
         return dag
+    if strategy.pp == 1:
+        _sum_reads_before_reducing(dag, strategy.mixed_precision.param_dtype)
     _lower_markers(dag, strategy)
     _all_reduce_full_gradients(dag, strategy)  # replicas: every parameter at ZeRO-0, 0-d ones at any level
     dag.joint.graph.lint()
