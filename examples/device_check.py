@@ -80,6 +80,7 @@ CASES: dict[str, tuple[int, dict]] = {
     "single_checkpointing": (1, {"codegen": "inductor", "activation_checkpointing": {"mode": "selective"}}),
     "single_bf16_eager": (1, {"codegen": "eager", "mixed_precision": BF16_FP32}),
     "single_bf16_inductor": (1, {"codegen": "inductor", "mixed_precision": BF16_FP32}),
+    "dp2_zero3_bf16": (2, {"mesh": {"dp": 2}, "zero": 3, "codegen": "eager", "mixed_precision": BF16_FP32}),
     "pp2_dp2_zero1_dualpipev": (4, {"mesh": {"pp": 2, "dp": 2}, "zero": 1, "codegen": "eager",
                                     "pipeline": {**PIPELINE, "schedule": "dualpipev"}}),
 }
