@@ -386,6 +386,62 @@ def test_gpu_attention_kernels_bookkeeping_results_are_replicated_as_dtensor_rea
     assert backward[:3] == (Shard(0), Shard(0), Shard(0)), backward
 
 
+CUDNN = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+CUDNN_BACKWARD = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+
+
+def _masked_efficient_attention(q, k, v, mask, mask_gradient=False):
+    out, logsumexp, seed, offset = EFFICIENT(q, k, v, mask, True, 0.0, False)
+    return EFFICIENT_BACKWARD(out.clone(), q, k, v, mask, out, logsumexp, seed, offset, 0.0,
+                              [True, True, True, mask_gradient], False)
+
+
+def _learned_bias_attention(q, k, v, bias):
+    return _masked_efficient_attention(q, k, v, bias, mask_gradient=True)
+
+
+def _masked_cudnn_attention(q, k, v, mask):
+    # The kernel Hugging Face's bf16 attention takes on an H100 or H200 (found there: DTensor's
+    # rule for it takes no mask).
+    out, logsumexp, cum_q, cum_k, max_q, max_k, seed, offset, _ = CUDNN(q, k, v, mask, True, 0.0, False, False)
+    return CUDNN_BACKWARD(out.clone(), q, k, v, out, logsumexp, seed, offset, mask, cum_q, cum_k, max_q, max_k,
+                          0.0, False)
+
+
+@pytest.mark.parametrize("kernels", ["efficient", "cudnn"])
+@pytest.mark.parametrize("mask", [((4, 2, 9, 9), Shard(0)), ((4, 1, 9, 9), Replicate()), ((1, 1, 9, 9), Replicate())],
+                         ids=["rows", "rows-made-alike", "broadcast"])
+def test_the_cuda_attention_kernels_with_a_mask_are_row_wise_in_the_batch(kernels, mask):
+    """Hugging Face's attention on a GPU with a mask (padding, or materialized for
+    checkpointing): each batch row of the results reads that row of q, k, v and the mask.
+    A mask of the batch's rows made alike on every rank is read as this rank's rows; one
+    broadcast over the batch is read whole (where DTensor's rule gathered the batch's rows
+    for it). Found on an H200, where the step stopped at planning."""
+    attention, forward, backward = {"efficient": (lambda q, k, v, mask: _masked_efficient_attention(q, k, v, mask),
+                                                  EFFICIENT, EFFICIENT_BACKWARD),
+                                    "cudnn": (_masked_cudnn_attention, CUDNN, CUDNN_BACKWARD)}[kernels]
+    graph = _propagate(attention, (QKV, Shard(0)), (QKV, Shard(0)), (QKV, Shard(0)), mask)
+    (forward_spec,), (backward_spec,) = _specs(graph, forward), _specs(graph, backward)
+    assert forward_spec[:2] == (Shard(0), Shard(0)) and backward_spec[:3] == (Shard(0),) * 3
+    assert Replicate() in forward_spec  # the RNG seed and offset
+    reads = {n.target: n.meta.get(READS_KEY) for n in graph.nodes if n.target in (forward, backward)}
+    made_alike = mask[1] == Replicate() and mask[0][0] == 4
+    assert all(read == ((("mask_1", Shard(0)),) if made_alike else None) for read in reads.values()), reads
+
+
+def test_the_gradient_of_a_mask_every_row_reads_alike_is_not_one_rows():
+    """A learned bias broadcast over the batch: its gradient sums every row's part, which the
+    rule of the rows does not place; DTensor's rule computes it on the batch's rows gathered."""
+    graph = _propagate(_learned_bias_attention, (QKV, Shard(0)), (QKV, Shard(0)), (QKV, Shard(0)),
+                       ((1, 1, 9, 9), Replicate()))
+    (backward,) = (n for n in graph.nodes if n.target == EFFICIENT_BACKWARD)
+    assert backward.meta[SPEC_KEY] == (Replicate(),) * 4
+    assert ("q_1", Replicate()) in backward.meta[READS_KEY]
+    graph = _propagate(_learned_bias_attention, (QKV, Shard(0)), (QKV, Shard(0)), (QKV, Shard(0)),
+                       ((4, 2, 9, 9), Shard(0)))
+    assert _specs(graph, EFFICIENT_BACKWARD) == [(Shard(0),) * 4]
+
+
 def test_layer_norm_statistics_are_row_wise_unless_they_reduce_over_the_rows():
     graph = _propagate(lambda x: torch.var_mean(x, dim=-1, keepdim=True, correction=0), ((4, 9, 8), Shard(0)))
     assert _specs(graph, torch.ops.aten.var_mean.correction) == [(Shard(0), Shard(0))]

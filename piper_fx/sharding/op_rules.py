@@ -20,32 +20,69 @@ from .spec_base import SPEC_KEY, NoRule, alike, aten, fill_value, format_spec, t
 # inputs it reads otherwise placed (`READS_KEY`), or raises `NoRule` saying why when the
 # placements are not those it holds for.
 
+def _mask(node: fx.Node) -> fx.Node | None:
+    """An attention op's mask: its `attn_mask` (CPU flash) or `attn_bias` (the CUDA kernels), if given."""
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name in ("attn_mask", "attn_bias"):
+            value = node.kwargs.get(argument.name, node.args[index] if index < len(node.args) else None)
+            return value if isinstance(value, fx.Node) else None
+    return None
+
+
+def _read_alike_by_every_row(val: torch.Tensor) -> bool:
+    """A replicated tensor every batch row reads the same of: one row broadcast over the batch,
+    a 0-d one (a CUDA attention kernel's RNG seed and offset) or an empty one."""
+    return val.dim() == 0 or val.numel() == 0 or val.shape[0] == 1
+
+
 def _batch_rows(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     """For an op that computes row b of each result (dim 0: the batch) from row b of each
-    input alone: with every input `Shard(0)` (or `Replicate()` with dim 0 of size 1, which
-    every row reads alike, e.g. an attention mask), every result is `Shard(0)`, and the
-    rows of the batch are those of the inputs. A `Replicate()` attention mask of the
-    batch's rows (built for this rank's rows, as Hugging Face's is where it materializes a
-    causal mask for the attention) is read as this rank's rows, as DTensor's rules read
-    such a tensor (`READS_KEY`)."""
+    input alone (attention, forward and backward): with every input `Shard(0)` (or
+    `Replicate()` and read alike by every row, `_read_alike_by_every_row`), every result of
+    the batch's rows is `Shard(0)`, and one read alike by every row (an RNG seed, an empty
+    one) `Replicate()`. A `Replicate()` attention mask of the batch's rows (built for this
+    rank's rows, as Hugging Face's is where it materializes a causal mask for the attention)
+    is read as this rank's rows, as DTensor's rules read such a tensor (`READS_KEY`)."""
     sharded = [a for a, s in inputs if s == Shard(0)]
     if not sharded:
         raise NoRule("it computes each batch row from that row alone, but no input is Shard(0)")
     rows = sharded[0].meta["val"].shape[0]
+    mask = _mask(node)
     reads = []
     for a, s in inputs:
         val = a.meta["val"]
-        if a is node.kwargs.get("attn_mask") and isinstance(s, Replicate) and val.dim() >= 1 \
-                and val.shape[0] == rows != 1:
+        if a is mask and isinstance(s, Replicate) and val.dim() >= 1 and val.shape[0] == rows != 1:
             reads.append((a, Shard(0)))
-        elif not (s == Shard(0) and val.shape[0] == rows
-                  or isinstance(s, Replicate) and val.dim() >= 1 and val.shape[0] == 1):
+        elif not (s == Shard(0) and val.shape[0] == rows or isinstance(s, Replicate) and _read_alike_by_every_row(val)):
             raise NoRule(f"it computes each batch row from that row alone, so it needs every input Shard(0) "
-                          f"with the batch's {rows} rows (or Replicate() with 1 row, or a mask of those "
-                          f"rows), not {a.name}: {format_spec(s)} with {tuple(val.shape)}")
-    if not all(o.dim() >= 1 and o.shape[0] == rows for o in tensors(node.meta.get("val"))):
-        raise NoRule(f"a result of it does not have the batch's {rows} rows")
-    return alike(node.meta.get("val"), Shard(0)), reads
+                         f"with the batch's {rows} rows (or Replicate() read alike by every row, or a mask of "
+                         f"those rows), not {a.name}: {format_spec(s)} with {tuple(val.shape)}")
+
+    def placed(val: Any) -> Any:
+        if isinstance(val, (tuple, list)):
+            return tuple(placed(v) for v in val)
+        if not isinstance(val, torch.Tensor):
+            return None
+        if val.dim() >= 1 and val.shape[0] == rows:
+            return Shard(0)
+        if val.dim() == 0 or val.numel() == 0:
+            return Replicate()
+        raise NoRule(f"a result of it of shape {tuple(val.shape)} does not have the batch's {rows} rows")
+
+    return placed(node.meta.get("val")), reads
+
+
+def _efficient_attention_backward(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """`_batch_rows`, but the mask's gradient (result 3, where the mask requires one: a learned
+    bias) sums every row's part: this rank's rows of it where the mask is this rank's rows;
+    where every row reads the mask alike, a sum over the ranks of what each computes, which
+    this rule does not place (DTensor's computes it on the batch's rows gathered)."""
+    spec, reads = _batch_rows(node, inputs)
+    mask = _mask(node)
+    if node.meta["val"][3] is not None and mask is not None and dict(inputs)[mask] != Shard(0) \
+            and mask not in dict(reads):
+        raise NoRule(f"the gradient of its mask {mask.name}, which every batch row reads alike, sums the rows'")
+    return spec, reads
 
 
 def _scatter_add(destination: fx.Node, keys: list[fx.Node], values: fx.Node) -> Placement:
@@ -191,10 +228,17 @@ def _squeeze_one_row(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> 
 
 
 RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any, list]]] = {
-    # CPU flash attention (DTensor has rules for the CUDA kernels, not these): batch row b
-    # of the output (and log-sum-exp), and of the gradients, reads row b of q, k, v alone.
+    # Attention: batch row b of the output (and log-sum-exp), and of the gradients, reads row
+    # b of q, k, v (and of the mask) alone. DTensor has no rule for the CPU flash kernels, its
+    # rule for cuDNN's takes no mask (Hugging Face's bf16 attention on a GPU), and torch 2.11's
+    # for the memory-efficient backward fails on its mask's gradient left undefined (fp32 on
+    # a GPU); a mask broadcast over the batch, it would gather the batch's rows for.
     aten._scaled_dot_product_flash_attention_for_cpu.default: _batch_rows,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _batch_rows,
+    aten._scaled_dot_product_efficient_attention.default: _batch_rows,
+    aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
+    aten._scaled_dot_product_cudnn_attention.default: _batch_rows,
+    aten._scaled_dot_product_cudnn_attention_backward.default: _batch_rows,
     aten.var_mean.correction: _row_statistics,
     torch.ops.prims.convert_element_type.default: _convert_element_type,
     # The embedding backward as Inductor decomposes it: a scatter-add into zeros.
