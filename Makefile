@@ -25,9 +25,10 @@ demo: venv
 	$(PY) examples/train_gpt.py --nproc 4 --strategy examples/strategies/pp2_dp2_zero3_1f1b.json --steps 300 --debug-dir piper_debug --checkpoint-dir piper_checkpoints --checkpoint-every 150
 
 # On a machine with GPUs and a CUDA build of torch (2.11 to 2.13) in $(PYTHON): not the CPU venv.
-# piper_fx against single-device PyTorch on every case that fits the GPUs (examples/device_check.py).
+# piper_fx against single-device PyTorch on every case that fits the GPUs (examples/device_check.py);
+# the cases of more ranks than GPUs, and Hugging Face models, planned and run as rank 0 of a fake group.
 gpu-check:
-	$(PYTHON) examples/device_check.py --device cuda
+	$(PYTHON) examples/device_check.py --device cuda --plan
 
 clean:
 	rm -rf piper_debug piper_checkpoints .pytest_cache

@@ -22,7 +22,17 @@ FSDP2 with its blocks compiled, as torchtitan compiles them: piper_fx must be
 at most twice as far from eager FSDP2 as it is (its bf16 loss at least one ulp).
 
 A case runs when the machine has its world size: NCCL gives each rank a GPU
-of its own, so one GPU runs the world-1 cases only.
+of its own, so one GPU runs the world-1 cases only. With `--plan`, a case that
+needs more ranks than the machine has runs as rank 0 of a fake process group of
+its world size instead: its step is planned for this device's kernels (a GPU's
+attention kernels are not a CPU's), compiled and run twice, the fake group's
+collectives moving nothing, so no numbers are compared. `--plan` adds
+Hugging Face models (where transformers is installed) called with a padded
+batch's attention mask, as a tokenizer's batch is: Llama and BERT in fp32 and
+Llama in bf16 (the attention kernels of each differ on a GPU), under data
+parallelism and a pipeline.
+
+    python examples/device_check.py --plan          # on one GPU: every case, the larger ones planned
 """
 from __future__ import annotations
 
@@ -84,6 +94,40 @@ CASES: dict[str, tuple[int, dict]] = {
     "pp2_dp2_zero1_dualpipev": (4, {"mesh": {"pp": 2, "dp": 2}, "zero": 1, "codegen": "eager",
                                     "pipeline": {**PIPELINE, "schedule": "dualpipev"}}),
 }
+
+
+# Hugging Face models for `--plan`: (model, options), each called with a padded batch's mask.
+PLAN_HUGGING_FACE: dict[str, tuple[str, int, dict]] = {
+    "hf_llama_dp2_zero3": ("llama", 2, {"mesh": {"dp": 2}, "zero": 3, "codegen": "inductor"}),
+    "hf_llama_dp2_zero3_bf16": ("llama", 2, {"mesh": {"dp": 2}, "zero": 3, "codegen": "inductor",
+                                             "mixed_precision": BF16_FP32}),
+    "hf_llama_pp2_1f1b": ("llama", 2, {"mesh": {"pp": 2}, "codegen": "eager",
+                                       "pipeline": {**PIPELINE, "schedule": "1f1b"}}),
+    "hf_bert_dp2_zero2": ("bert", 2, {"mesh": {"dp": 2}, "zero": 2, "codegen": "eager"}),
+}
+
+
+class LossOf(torch.nn.Module):
+    """A Hugging Face model called on token ids, labels and an attention mask, returning its loss."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x, attention_mask=attention_mask, labels=y).loss
+
+
+def hugging_face(name: str) -> LossOf:
+    """A tiny Hugging Face model, built from its config."""
+    import transformers
+
+    sizes = dict(vocab_size=CONFIG["vocab_size"], hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=2, max_position_embeddings=CONFIG["block_size"])
+    if name == "llama":
+        return LossOf(transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)))
+    return LossOf(transformers.BertForMaskedLM(transformers.BertConfig(
+        **sizes, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
 
 
 def global_batch(step: int, rows: int, cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +231,39 @@ def run_case(rank: int, world: int, device: torch.device, options: dict) -> dict
             "yardstick": errors(yardstick[0], reference) if yardstick else None}
 
 
+def plan_case(device_type: str, case: str, result_path: str) -> None:
+    """`case` as rank 0 of a fake process group of its world size: two steps planned, compiled
+    and run on this device (the fake group's collectives move nothing)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world, options = (CASES[case] if case in CASES else PLAN_HUGGING_FACE[case][1:])
+    os.environ.update(RANK="0", WORLD_SIZE=str(world), LOCAL_RANK="0")
+    device = torch.device(device_type)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    strategy = piper_fx.parse_options(options)
+    cfg = GPTConfig(**CONFIG)
+    torch.manual_seed(0)
+    if case in CASES:
+        model = GPT(cfg).to(device)
+        if strategy.pp > 1:
+            model.block_context = lambda: piper_fx.annotate("PP")
+    else:
+        model = hugging_face(PLAN_HUGGING_FACE[case][0]).to(device)
+    piper_fx.prepare(model, options)
+    step = torch.compile(model, backend="piper", options=options)
+    for i in range(2):
+        x, y = (t.to(device) for t in global_batch(i, ROWS_PER_RANK, cfg))
+        if case in CASES:
+            loss = step(x, y)
+        else:  # every other row padded: its last 3 tokens masked, their labels ignored
+            mask = torch.ones_like(x)
+            mask[::2, -3:] = 0
+            loss = step(x, y.masked_fill(mask == 0, -100), mask)
+        loss.backward()
+    Path(result_path).write_text(json.dumps({}))
+    dist.destroy_process_group()
+
+
 def rank_main(rank: int, world: int, device_type: str, init_method: str, case: str, result_path: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     if device_type == "cuda":
@@ -202,14 +279,16 @@ def rank_main(rank: int, world: int, device_type: str, init_method: str, case: s
         dist.destroy_process_group()
 
 
-def spawn_case(case: str, device_type: str) -> dict:
-    """Run one case's ranks to completion: rank 0's errors, or the failure (the first rank to exit non-zero)."""
-    world = CASES[case][0]
+def spawn_case(case: str, device_type: str, planned: bool = False) -> dict:
+    """Run one case's ranks to completion (`planned`: its rank 0 alone, `plan_case`): rank 0's
+    result, or the failure (the first rank to exit non-zero)."""
+    world = 1 if planned else CASES[case][0]
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
         init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
-        procs = [ctx.Process(target=rank_main, args=(r, world, device_type, init_method, case, result_path))
+        procs = [ctx.Process(target=plan_case, args=(device_type, case, result_path)) if planned else
+                 ctx.Process(target=rank_main, args=(r, world, device_type, init_method, case, result_path))
                  for r in range(world)]
         for proc in procs:
             proc.start()
@@ -239,7 +318,11 @@ def parse_args() -> argparse.Namespace:
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--nproc", type=int, default=None,
                         help="ranks available (default: the number of GPUs; on CPU, 4)")
-    parser.add_argument("--cases", default=None, help=f"comma-separated, of: {', '.join(CASES)}")
+    parser.add_argument("--cases", default=None,
+                        help=f"comma-separated, of: {', '.join(CASES)}; with --plan also {', '.join(PLAN_HUGGING_FACE)}")
+    parser.add_argument("--plan", action="store_true",
+                        help="run a case needing more ranks than there are as rank 0 of a fake process group "
+                             "(planned and run, no numbers compared), and the Hugging Face cases")
     return parser.parse_args()
 
 
@@ -249,10 +332,11 @@ def main() -> int:
         print("device_check: --device cuda, but torch sees no GPU", file=sys.stderr)
         return 2
     available = args.nproc or (torch.cuda.device_count() if args.device == "cuda" else 4)
-    names = args.cases.split(",") if args.cases else list(CASES)
-    unknown = [name for name in names if name not in CASES]
+    known = {**CASES, **(PLAN_HUGGING_FACE if args.plan else {})}
+    names = args.cases.split(",") if args.cases else list(known)
+    unknown = [name for name in names if name not in known]
     if unknown:
-        print(f"device_check: unknown cases {unknown}; known: {', '.join(CASES)}", file=sys.stderr)
+        print(f"device_check: unknown cases {unknown}; known: {', '.join(known)}", file=sys.stderr)
         return 2
     device_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"torch {torch.__version__}, device {args.device} ({device_name}), {available} rank(s) available, "
@@ -261,9 +345,15 @@ def main() -> int:
     print(f"{'case':<26} {'world':>5} {'loss err':>10} {'param err':>10}  result")
     bad = 0
     for name in names:
-        world = CASES[name][0]
-        if world > available:
-            print(f"{name:<26} {world:>5} {'':>10} {'':>10}  not run: needs {world} ranks")
+        world = CASES[name][0] if name in CASES else PLAN_HUGGING_FACE[name][1]
+        if world > available or name not in CASES:
+            if not args.plan:
+                print(f"{name:<26} {world:>5} {'':>10} {'':>10}  not run: needs {world} ranks")
+                continue
+            result = spawn_case(name, args.device, planned=True)
+            bad += "error" in result
+            print(f"{name:<26} {world:>5} {'':>10} {'':>10}  " + (f"FAILED: {result['error']}" if "error" in result
+                  else "planned and ran as rank 0 of a fake group"), flush=True)
             continue
         result = spawn_case(name, args.device)
         if "error" in result:
@@ -276,7 +366,7 @@ def main() -> int:
                      if result["yardstick"] else "")
         print(f"{name:<26} {world:>5} {result['loss']:>10.2e} {result['params']:>10.2e}  "
               f"{'equal' if ok else 'DIFFERENT'}{yardstick}", flush=True)
-    print("all cases equal" if bad == 0 else f"{bad} case(s) not equal")
+    print("all cases passed" if bad == 0 else f"{bad} case(s) failed or not equal")
     return 1 if bad else 0
 
 
