@@ -95,6 +95,9 @@ def _forward_stages(dag: TrainingDAG, compute: list[fx.Node], num_stages: int) -
             stage[node] = min(num_stages - 1, int(num_stages * (running + cost / 2) / total))
             running += cost
     for node in compute:  # unannotated activations follow their inputs; never read a later stage
+        if node.target is operator.getitem and node.args[0] in stage:  # a part of a multi-output op lives with it
+            stage[node] = stage[node.args[0]]
+            continue
         inputs = [stage[i] for i in node.all_input_nodes if i in stage and i in activations]
         if inputs:
             stage[node] = max(stage.get(node, 0), *inputs)
@@ -113,6 +116,9 @@ def _backward_stages(compute: list[fx.Node], forward_stage: dict[fx.Node, int],
     by_seq = _stages_by_seq(forward_stage)
     stage: dict[fx.Node, int] = {}
     for node in compute:
+        if node.target is operator.getitem and node.args[0] in stage:  # a part of a multi-output op lives with it
+            stage[node] = stage[node.args[0]]
+            continue
         own = by_seq.get(node.meta.get("seq_nr"))
         reads = [stage[i] for i in node.all_input_nodes if i in stage]
         if reads:
