@@ -14,7 +14,9 @@ Values keep their joint-graph node names across tasks. Stage assignment:
     contiguous runs of the forward ops balanced by estimated cost (FLOPs of
     matmuls and attention, output size otherwise, plus parameter size).
     Unannotated ops follow their inputs; parameter-only ops (gathers, views of
-    weights) go with their first user; a stage never reads a later stage.
+    weights) go with their first user; a stage never reads a later stage. A
+    part of a multi-output op (its `getitem`) goes with the op, forward and
+    backward.
   - backward: each op goes to the stage of the forward op it differentiates
     (AOTAutograd's `seq_nr`), but never later than the stages of the
     gradients it reads, so gradients only flow to earlier stages.
