@@ -5,8 +5,8 @@ relative position biases, an encoder and a decoder, labels shifted by slice assi
 `make test` trains Llama and T5 under ZeRO-3 and Qwen2 under 1F1B, and Llama and BERT on a
 padded batch; with PIPER_HF_SWEEP=1, every model of `training.HUGGING_FACE` under both, on
 the batch as it is and padded (40 cases, under 4 minutes on 2 cores). A property test draws
-models and 2-rank strategies (every ZeRO level, every schedule, activation checkpointing,
-buckets, padding): the same 6 cases in `make test`, `PIPER_HF_EXAMPLES=N` for a longer,
+models and strategies over 2 and 4 ranks (every ZeRO level, every schedule, activation
+checkpointing, buckets, Inductor, padding): the same 6 cases in `make test`, `PIPER_HF_EXAMPLES=N` for a longer,
 randomly seeded search."""
 import os
 
@@ -75,18 +75,21 @@ SCHEDULE_MICROBATCHES = {"gpipe": 2, "1f1b": 2, "interleaved_1f1b": 2, "zb1p": 2
 
 
 @st.composite
-def hf_cases(draw) -> tuple[str, dict, bool]:
+def hf_cases(draw) -> tuple[str, int, dict, bool]:
     """A Hugging Face model, a strategy over 2 ranks (data parallel at a ZeRO level, or a
-    pipeline schedule), and whether the batch is padded."""
-    options = {"codegen": "eager", "bucket_mb": draw(st.sampled_from((25.0, 0.001))), "overlap": draw(st.booleans()),
+    pipeline schedule) or 4 (both), and whether the batch is padded."""
+    codegen = "inductor" if draw(st.integers(1, 6)) == 1 else "eager"
+    options = {"codegen": codegen, "bucket_mb": draw(st.sampled_from((25.0, 0.001))), "overlap": draw(st.booleans()),
                "activation_checkpointing": {"mode": draw(st.sampled_from(("none", "full", "selective")))}}
-    if draw(st.booleans()):
+    world = draw(st.sampled_from((2, 2, 4)))
+    pipelined = world == 4 or draw(st.booleans())
+    if world == 4 or not pipelined:
         options["zero"] = draw(st.sampled_from((0, 1, 2, 3)))
-    else:
+    if pipelined:
         schedule = draw(st.sampled_from(sorted(SCHEDULE_MICROBATCHES)))
-        options.update(mesh={"pp": 2}, pipeline={"schedule": schedule,
-                                                 "microbatches": SCHEDULE_MICROBATCHES[schedule]})
-    return draw(st.sampled_from(sorted(HUGGING_FACE))), options, draw(st.booleans())
+        options.update(mesh={"pp": 2, "dp": world // 2}, pipeline={
+            "schedule": schedule, "microbatches": SCHEDULE_MICROBATCHES[schedule]})
+    return draw(st.sampled_from(sorted(HUGGING_FACE))), world, options, draw(st.booleans())
 
 
 @settings(max_examples=HF_EXAMPLES or 6, derandomize=not HF_EXAMPLES, database=None, deadline=None,
@@ -96,12 +99,13 @@ def hf_cases(draw) -> tuple[str, dict, bool]:
 def test_generated_strategies_train_hugging_face_models_as_one_process_does(case):
     """Within 1e-5 of one process's losses and parameters (of each one's largest value, the
     strategy tests' bound): microbatches and ranks sum a batch's rows otherwise than one process."""
-    name, options, pad = case
-    print(name, options, "padded" if pad else "")
+    name, world, options, pad = case
+    print(name, world, options, "padded" if pad else "")
     # A padded batch's pairs of rows hold as many tokens each: two rows a microbatch keep the
     # microbatches' mean loss the batch's.
     rows = 2 * options["pipeline"]["microbatches"] if "pipeline" in options else 4
-    _check_parity(run_ranks(hf_parity_worker, 2, name, options, 3, rows, pad, deadline_s=400), param_error=1e-5)
+    _check_parity(run_ranks(hf_parity_worker, world, name, options, 3, rows, pad, deadline_s=400),
+                  param_error=1e-5)
 
 
 def test_a_multi_output_op_at_a_stage_boundary_stays_with_its_parts():

@@ -256,6 +256,17 @@ def test_a_scatter_add_of_each_ranks_rows_into_zeros_is_a_partial_sum():
     grad, tokens = [n for n in gm.graph.nodes if n.op == "placeholder"]
     propagate(gm.graph, {grad.name: Shard(0), tokens.name: Shard(0)}, planning_mesh(2))
     assert _specs(gm.graph, aten._unsafe_masked_index_put_accumulate.default) == [Partial("sum")]
+    # Ids made alike on every rank for its rows (BERT's token types, a buffer expanded over the
+    # batch) are read as this rank's rows, as DTensor's rule for `embedding_dense_backward`
+    # reads them (found by the Hugging Face strategy search: BERT under Inductor).
+    propagate(gm.graph, {grad.name: Shard(0), tokens.name: Replicate()}, planning_mesh(2))
+    (put,) = (n for n in gm.graph.nodes if n.target == aten._unsafe_masked_index_put_accumulate.default)
+    assert put.meta[SPEC_KEY] == Partial("sum")
+    assert {name for name, placement in put.meta[READS_KEY] if placement == Shard(0)} == {
+        a.name for a in put.args[1:3] for a in (a if isinstance(a, list) else [a])}
+    # A partial sum of values at this rank's rows of ids is neither its rows nor its part: no rule holds.
+    with pytest.raises(PiperError, match="_unsafe_masked_index_put_accumulate"):
+        propagate(gm.graph, {grad.name: Partial("sum"), tokens.name: Shard(0)}, planning_mesh(2))
 
 
 def test_constants_and_empty_tensors_are_every_placement_they_are_read_as():

@@ -85,23 +85,30 @@ def _efficient_attention_backward(node: fx.Node, inputs: list[tuple[fx.Node, Pla
     return spec, reads
 
 
-def _scatter_add(destination: fx.Node, keys: list[fx.Node], values: fx.Node) -> Placement:
+def _scatter_add(destination: fx.Node, keys: list[fx.Node], values: fx.Node) -> Any:
     """out = destination + the rows of `values` summed into place at the indices (`keys`:
     the index tensors and any mask; a masked-out row adds nothing). The sum over ranks of
     the outputs is the single-device output when the destination counts once in it (zeros,
     or a `Partial(sum)`), and what each rank adds is either its rows of the values (keys and
     values `Shard(0)` along the same rows) or its part of them (keys `Replicate()`, values
-    `Partial(sum)`): the output is `Partial(sum)`."""
+    `Partial(sum)`): the output is `Partial(sum)`. With the values `Shard(0)`, a
+    `Replicate()` key of their rows (made alike on every rank for its rows, as a model's
+    position or token-type ids expanded over the batch) is read as this rank's rows, as
+    DTensor's rule for the embedding's backward reads it (`READS_KEY`)."""
     spec = lambda n: n.meta.get(SPEC_KEY)  # noqa: E731
     if not (fill_value(destination) == 0 or spec(destination) == Partial("sum")):
         raise NoRule(f"it sums rows into {destination.name}, which is neither zeros nor Partial(sum)")
-    own_rows = (all(spec(n) == Shard(0) for n in keys + [values])
-                and len({n.meta["val"].shape[0] for n in keys + [values]}) == 1)
+    rows = values.meta["val"].shape[0] if values.meta["val"].dim() else None
+    made_alike = [n for n in keys if isinstance(spec(n), Replicate) and n.meta["val"].dim()
+                  and n.meta["val"].shape[0] == rows]
+    own_rows = (spec(values) == Shard(0)
+                and all(spec(n) == Shard(0) and n.meta["val"].shape[0] == rows or n in made_alike for n in keys))
     own_part = all(isinstance(spec(n), Replicate) for n in keys) and spec(values) == Partial("sum")
     if not (own_rows or own_part):
-        raise NoRule("it sums rows into place, so it needs the indices (and mask) and values all Shard(0), "
-                      "or the indices Replicate() and the values Partial(sum)")
-    return Partial("sum")
+        raise NoRule("it sums rows into place, so it needs the indices (and mask) and values all Shard(0) (or "
+                     "the indices Replicate() with the values' rows), or the indices Replicate() and the values "
+                     "Partial(sum)")
+    return Partial("sum"), [(n, Shard(0)) for n in made_alike] if own_rows else []
 
 
 def _row_statistics(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
@@ -131,14 +138,14 @@ def _convert_element_type(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]
 
 def _masked_index_put_accumulate(node: fx.Node, inputs) -> Any:
     destination, mask, indices, values = node.args[:4]
-    return _scatter_add(destination, [mask] + [i for i in indices if isinstance(i, fx.Node)], values), []
+    return _scatter_add(destination, [mask] + [i for i in indices if isinstance(i, fx.Node)], values)
 
 
 def _index_put(node: fx.Node, inputs) -> Any:
     destination, indices, values = node.args[:3]
     if not (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)):
         raise NoRule("it writes rows in place without summing them")
-    return _scatter_add(destination, [i for i in indices if isinstance(i, fx.Node)], values), []
+    return _scatter_add(destination, [i for i in indices if isinstance(i, fx.Node)], values)
 
 
 def _copy(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
