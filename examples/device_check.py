@@ -96,7 +96,7 @@ CASES: dict[str, tuple[int, dict]] = {
 }
 
 
-# Hugging Face models for `--plan`: (model, options), each called with a padded batch's mask.
+# Hugging Face models for `--plan`: (model, world, options), each called with a padded batch's mask.
 PLAN_HUGGING_FACE: dict[str, tuple[str, int, dict]] = {
     "hf_llama_dp2_zero3": ("llama", 2, {"mesh": {"dp": 2}, "zero": 3, "codegen": "inductor"}),
     "hf_llama_dp2_zero3_bf16": ("llama", 2, {"mesh": {"dp": 2}, "zero": 3, "codegen": "inductor",

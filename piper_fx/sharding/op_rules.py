@@ -13,7 +13,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .spec_base import SPEC_KEY, NoRule, alike, aten, fill_value, format_spec, tensors
+from .spec_base import SPEC_KEY, NoRule, alike, aten, fill_value, format_spec
 
 # ---- piper_fx's rules for ops DTensor has no rule for, or none that fits. Each gets the
 # node and its tensor inputs with their placements, and returns the node's spec and the
