@@ -319,7 +319,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=None,
                         help="ranks available (default: the number of GPUs; on CPU, 4)")
     parser.add_argument("--cases", default=None,
-                        help=f"comma-separated, of: {', '.join(CASES)}; with --plan also {', '.join(PLAN_HUGGING_FACE)}")
+                        help=f"comma-separated, of: {', '.join(CASES)}; "
+                             f"with --plan also {', '.join(PLAN_HUGGING_FACE)}")
     parser.add_argument("--plan", action="store_true",
                         help="run a case needing more ranks than there are as rank 0 of a fake process group "
                              "(planned and run, no numbers compared), and the Hugging Face cases")

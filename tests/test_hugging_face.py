@@ -6,8 +6,8 @@ relative position biases, an encoder and a decoder, labels shifted by slice assi
 padded batch; with PIPER_HF_SWEEP=1, every model of `training.HUGGING_FACE` under both, on
 the batch as it is and padded (40 cases, under 4 minutes on 2 cores). A property test draws
 models and strategies over 2 and 4 ranks (every ZeRO level, every schedule, activation
-checkpointing, buckets, Inductor, padding): the same 6 cases in `make test`, `PIPER_HF_EXAMPLES=N` for a longer,
-randomly seeded search."""
+checkpointing, buckets, Inductor, padding): the same 6 cases in `make test`,
+`PIPER_HF_EXAMPLES=N` for a longer, randomly seeded search."""
 import os
 
 import pytest
