@@ -26,9 +26,11 @@ change and back to the parameter's dtype after the last.
 A sharded parameter read by several modules (a tied weight: Dynamo emits a
 marker per module access) is reduced once, on its reads' gradients summed where
 the last is complete (under mixed precision in `param_dtype`, as FSDP2's
-unsharded parameter accumulates its gradient), not once per read. Not under a
-pipeline: stages are cut later (`split_stages`), and a sum of reads in two
-stages would move a whole gradient between them.
+unsharded parameter accumulates its gradient), not once per read: half the
+bytes for a tied embedding, whose first read's whole gradient (the head's) is
+then held until the last (the embedding's) is complete, as FSDP2 holds it.
+Not under a pipeline: stages are cut later (`split_stages`), and a sum of
+reads in two stages would move a whole gradient between them.
 """
 from __future__ import annotations
 
