@@ -88,7 +88,7 @@ def _sum_reads_before_reducing(dag: TrainingDAG, param_dtype: torch.dtype | None
         if node.target is not ADD or len(node.args) != 2 or node.kwargs or not all(map(marker, node.args)):
             continue
         first, second = node.args
-        if first.args[1:] != second.args[1:]:  # another shard's or group's
+        if first is second or first.args[1:] != second.args[1:]:  # another shard's or group's
             continue
         grads = [first.args[0], second.args[0]]
         sources = [in_param_dtype(g) for g in grads]
