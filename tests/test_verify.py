@@ -13,6 +13,20 @@ def test_the_test_suite_verifies_every_pass():
     assert os.environ.get(VERIFY_ENV) == "1"  # set by conftest.py, inherited by every spawned rank
 
 
+def test_planning_verifies_every_pass_unless_told_not_to(monkeypatch):
+    """A program the checks refuse can hang every rank (a stage's backward reading a value of a
+    stage that runs after it), and they take no measurable planning time: on by default."""
+    import piper_fx
+    from piper_fx.verify import verification_enabled
+
+    strategy = piper_fx.parse_options({})
+    monkeypatch.delenv(VERIFY_ENV)
+    assert verification_enabled(strategy)
+    monkeypatch.setenv(VERIFY_ENV, "0")
+    assert not verification_enabled(strategy)
+    assert verification_enabled(piper_fx.parse_options({"debug_dir": "piper_debug"}))
+
+
 def test_two_inputs_with_one_argument_name_are_rejected():
     """What fusing two tasks that both read a `tanh` made before it was fixed."""
     graph = fx.Graph()
