@@ -101,17 +101,26 @@ def insert_traced(
     return result
 
 
-def cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, *, before: fx.Node,
-         like: fx.Node | None = None, meta: dict[str, Any] | None = None) -> fx.Node:
-    """Insert, before `before`, `value` converted to `dtype` (`prims.convert_element_type`, which
-    every codegen runs); return it. It inherits `like`'s annotations and takes `meta`."""
+def insert_call(graph: fx.Graph, target: Callable, args: tuple, *, before: fx.Node,
+                like: fx.Node | None = None, meta: dict[str, Any] | None = None) -> fx.Node:
+    """Insert, before `before`, the call `target(*args)`; return it. Its value (`meta["val"]`)
+    is the call's on its arguments' values, in their fake mode; it inherits `like`'s
+    annotations (`INHERITED_META`) and takes `meta`."""
     with graph.inserting_before(before):
-        node = graph.call_function(CONVERT, (value, dtype))
-    val = value.meta["val"]
-    with val.fake_mode if hasattr(val, "fake_mode") else contextlib.nullcontext():
-        node.meta["val"] = CONVERT(val, dtype)
+        node = graph.call_function(target, args)
+    vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    fake = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
+    with fake if fake is not None else contextlib.nullcontext():
+        node.meta["val"] = target(*vals)
     for key in INHERITED_META:
         if like is not None and key in like.meta:
             node.meta[key] = like.meta[key]
     node.meta.update(meta or {})
     return node
+
+
+def cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, *, before: fx.Node,
+         like: fx.Node | None = None, meta: dict[str, Any] | None = None) -> fx.Node:
+    """Insert, before `before`, `value` converted to `dtype` (`prims.convert_element_type`, which
+    every codegen runs); return it. It inherits `like`'s annotations and takes `meta`."""
+    return insert_call(graph, CONVERT, (value, dtype), before=before, like=like, meta=meta)

@@ -29,7 +29,6 @@ graph holding markers still computes the right values.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .emit import INHERITED_META
+from .emit import insert_call
 from .lowering import all_reduce_mean, all_to_all_experts, gather_rows, reduce_scatter_rows, take_rows
 
 AVG = Partial("avg")
@@ -148,13 +147,4 @@ def state_redistribution(graph: fx.Graph, value: fx.Node, src: Placement, dst: P
     will carry: its note, phase, unit)."""
     args = (value, placement_name(src), placement_name(dst), group_name, group_size, group_rank,
             [int(d) for d in global_shape])
-    with graph.inserting_before(before):
-        marker = graph.call_function(REDISTRIBUTE, args)
-    val = value.meta["val"]
-    with val.fake_mode if hasattr(val, "fake_mode") else contextlib.nullcontext():
-        marker.meta["val"] = REDISTRIBUTE(val, *args[1:])
-    for key in INHERITED_META:
-        if like is not None and key in like.meta:
-            marker.meta[key] = like.meta[key]
-    marker.meta.update(meta or {})
-    return marker
+    return insert_call(graph, REDISTRIBUTE, args, before=before, like=like, meta=meta)

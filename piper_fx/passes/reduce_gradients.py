@@ -34,13 +34,11 @@ reads in two stages would move a whole gradient between them.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from ..collectives.emit import cast
+from ..collectives.emit import cast, insert_call
 from ..collectives.redistribute import AVG, state_redistribution
 from ..ir import InputRole, OutputRole, TrainingDAG
 from ..ops import COMM_NOTE, PHASE, REDUCE_GRAD, STEP_END, cast_dtype
@@ -94,17 +92,12 @@ def _sum_reads_before_reducing(dag: TrainingDAG, param_dtype: torch.dtype | None
         sources = [in_param_dtype(g) for g in grads]
         if None in sources:
             sources = grads
-        with graph.inserting_before(node):
-            total = graph.call_function(ADD, tuple(sources))
-        total.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-        val = sources[0].meta["val"]
-        with val.fake_mode if hasattr(val, "fake_mode") else contextlib.nullcontext():
-            total.meta["val"] = ADD(val, sources[1].meta["val"])
+        total = insert_call(graph, ADD, tuple(sources), before=node,
+                            meta={k: v for k, v in node.meta.items() if k != "val"})
         if sources is not grads:
             total = cast(graph, total, grads[0].meta["val"].dtype, before=node, like=node)
-        with graph.inserting_before(node):
-            folded = graph.call_function(REDUCE_GRAD, (total, *first.args[1:]))
-        folded.meta.update(first.meta)
+        folded = insert_call(graph, REDUCE_GRAD, (total, *first.args[1:]), before=node,
+                             meta={k: v for k, v in first.meta.items() if k != "val"})
         node.replace_all_uses_with(folded)
         graph.erase_node(node)
         for dead in (first, second, *grads):

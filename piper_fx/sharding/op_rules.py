@@ -29,6 +29,14 @@ def _mask(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _rows_made_alike(node: fx.Node, placement: Placement, rows: int) -> bool:
+    """A `Replicate()` tensor of the batch's `rows` rows: made alike on every rank for its own
+    rows (a mask or ids built from the rows' count), so it is read as this rank's rows of it,
+    as DTensor's rules read such a tensor (`READS_KEY`)."""
+    val = node.meta["val"]
+    return isinstance(placement, Replicate) and val.dim() >= 1 and val.shape[0] == rows
+
+
 def _read_alike_by_every_row(val: torch.Tensor) -> bool:
     """A replicated tensor every batch row reads the same of: one row broadcast over the batch,
     a 0-d one (a CUDA attention kernel's RNG seed and offset) or an empty one."""
@@ -51,7 +59,7 @@ def _batch_rows(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     reads = []
     for a, s in inputs:
         val = a.meta["val"]
-        if a is mask and isinstance(s, Replicate) and val.dim() >= 1 and val.shape[0] == rows != 1:
+        if a is mask and rows != 1 and _rows_made_alike(a, s, rows):
             reads.append((a, Shard(0)))
         elif not (s == Shard(0) and val.shape[0] == rows or isinstance(s, Replicate) and _read_alike_by_every_row(val)):
             raise NoRule(f"it computes each batch row from that row alone, so it needs every input Shard(0) "
@@ -99,8 +107,7 @@ def _scatter_add(destination: fx.Node, keys: list[fx.Node], values: fx.Node) -> 
     if not (fill_value(destination) == 0 or spec(destination) == Partial("sum")):
         raise NoRule(f"it sums rows into {destination.name}, which is neither zeros nor Partial(sum)")
     rows = values.meta["val"].shape[0] if values.meta["val"].dim() else None
-    made_alike = [n for n in keys if isinstance(spec(n), Replicate) and n.meta["val"].dim()
-                  and n.meta["val"].shape[0] == rows]
+    made_alike = [n for n in keys if _rows_made_alike(n, spec(n), rows)]
     own_rows = (spec(values) == Shard(0)
                 and all(spec(n) == Shard(0) and n.meta["val"].shape[0] == rows or n in made_alike for n in keys))
     own_part = all(isinstance(spec(n), Replicate) for n in keys) and spec(values) == Partial("sum")
