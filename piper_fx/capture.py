@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .compat import (FakeTensorMode, ShapeEnv, TracingContext, aot_descriptors as aot_desc,
-                     aot_export_joint_with_descriptors, select_decomp_table, tracing)
+                     aot_export_joint_with_descriptors, lazy_graph_modules, make_graph_module, select_decomp_table,
+                     tracing)
 from .collectives.emit import INHERITED_META
 from .errors import PiperError
 from .ir import GraphInput, GraphOutput, InputRole, OutputRole, TrainingDAG
@@ -90,7 +91,7 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
     graph = fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
-    gm = fx.GraphModule(gm, graph)
+    gm = make_graph_module(gm, graph)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kept, args = [], []
     for index, (node, example) in enumerate(zip(placeholders, example_inputs)):
@@ -299,7 +300,8 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     # environment, which Inductor's FX graph cache needs to cache a task, kept
     # empty: inputs are made fake with static shapes (`ignore_shape_env`).
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True)
-    with contextlib.ExitStack() as stack, tracing(TracingContext(fake_mode)):
+    # The joint graph module is lazy, as ours are (`compat.make_graph_module`).
+    with contextlib.ExitStack() as stack, tracing(TracingContext(fake_mode)), lazy_graph_modules(True):
         try:
             exported = aot_export_joint_with_descriptors(
                 stack, gm, tuple(traced_inputs), decompositions=decompositions_for(strategy), ignore_shape_env=True)

@@ -47,6 +47,12 @@ from torch._guards import TracingContext, tracing  # noqa: F401
 # and Inductor's FX graph cache bypasses graphs whose fake mode has none ("No shape env").
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: F401
+# FX's lazy graph modules, as Dynamo and Inductor make theirs: `recompile()` only marks the
+# module, and its Python code is generated when it is first called or its `code` read. A
+# compile's graphs are rebuilt by every pass and copied into each task and region, and are
+# never run as Python but under eager codegen; generating their code each time took a
+# quarter of a 24-block model's planning. No public form.
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module as lazy_graph_modules  # noqa: F401
 # Dynamo's and Inductor's event counters (FX graph cache hits and misses); no public accessor.
 from torch._dynamo.utils import counters as dynamo_counters  # noqa: F401
 # The id of the frame Dynamo is compiling, which names the debug dump's folder as TORCH_LOGS and
@@ -85,6 +91,19 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._pytree import tree_leaves, tree_map_only  # noqa: F401
 # The flat copy of a list of tensors in one C++ call, as DDP and FSDP1 make their flat buffers.
 from torch._utils import _flatten_dense_tensors as flatten_dense_tensors  # noqa: F401
+
+
+def make_graph_module(root, graph) -> torch.fx.GraphModule:
+    """`fx.GraphModule(root, graph)`, lazy (its code generated when needed, `_LazyGraphModule`)."""
+    return _LazyGraphModule(root, graph)
+
+
+def code_now(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` with its Python code generated now, so its `forward` is the code itself and not
+    the lazy module's first-call shim (which would stay in every call of a bound `forward`)."""
+    gm.recompile()
+    _LazyGraphModule.force_recompile(gm)
+    return gm
 
 
 def dynamo_trace_seconds() -> float | None:

@@ -25,6 +25,7 @@ import torch
 
 import torch.fx as fx
 
+from .compat import make_graph_module
 from .ops import COMM_NOTE, collective_kind, collective_sends, wait_of
 from .options import Strategy
 from .schedules.schedule import PAIR_SEPARATOR, ActionKind
@@ -348,7 +349,7 @@ class TrainingDAG:
         transform the copy in place, so one capture can be planned for many ranks."""
         graph = fx.Graph()
         graph.output(graph.graph_copy(self.joint.graph, {}))
-        return TrainingDAG(fx.GraphModule(self.joint, graph), [replace(i) for i in self.inputs],
+        return TrainingDAG(make_graph_module(self.joint, graph), [replace(i) for i in self.inputs],
                            [replace(o) for o in self.outputs], self.strategy, self.dp_group, self.training)
 
     def input_by_name(self) -> dict[str, GraphInput]:

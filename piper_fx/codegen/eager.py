@@ -5,6 +5,7 @@ import copy
 
 from torch.fx.graph import _BoxedCodeGen
 
+from ..compat import code_now
 from ..ir import Task
 from ..ops import WAIT, collective_op_kind
 from ..runtime.timing import timed_collective, timed_wait
@@ -26,5 +27,5 @@ def compile_task(task: Task, time_waits: bool = False):
                 node.target = timed_wait  # the same wait, timed as exposed communication
             elif collective_op_kind(node.target) is not None:
                 node.target = timed_collective(node.target)  # the same collective, its issue time noted
-    gm.recompile()
+    code_now(gm)
     return gm.forward, gm.code

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from ..compat import make_graph_module
 from ..ops import LAYER, is_heavy
 from .inductor import name_by_position
 from .shared import span_key
@@ -160,7 +161,7 @@ def _region_graph(gm: fx.GraphModule, part: list[fx.Node], inputs: list[fx.Node]
                                       fx.map_arg(node.kwargs, env.__getitem__), f"v{index}", node.type)
         env[node].meta = dict(node.meta)
     graph.output(tuple(env[n] for n in outputs))
-    region = fx.GraphModule(gm, graph)
+    region = make_graph_module(gm, graph)
     name_by_position(region)  # named so already: checks it
     return region
 

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from ..compat import make_graph_module
 from ..ir import Task, add_placeholder
 
 # The order in which a fused task runs its halves' nodes: (half, node) pairs.
@@ -26,7 +27,7 @@ def extract_graph(root: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.No
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output(tuple(env[o] for o in outputs))
     graph.lint()
-    return fx.GraphModule(root, graph)
+    return make_graph_module(root, graph)
 
 
 def _one_after_another(halves: list[list[fx.Node]]) -> FusedOrder:
@@ -64,5 +65,5 @@ def fuse_tasks(name: str, parts: list[Task],
     attributes = {node.target: _attribute(task.graph, node.target) for task in parts
                   for node in task.graph.graph.find_nodes(op="get_attr")}
     first = parts[0]
-    return Task(name, first.kind, first.stage, fx.GraphModule(attributes, graph),
+    return Task(name, first.kind, first.stage, make_graph_module(attributes, graph),
                 inputs=[n for task in parts for n in task.inputs], outputs=[n for task in parts for n in task.outputs])
