@@ -301,6 +301,30 @@ def _memory_format(name: str) -> torch.memory_format:
     return getattr(torch, name)
 
 
+# What a graph module's `recompile()` adds to its attributes: the code generated from its graph.
+_GENERATED_CODE = ("_code", "_lineno_map", "_prologue_start")
+
+
+class _GraphModuleData:
+    """A graph module as a plan pickles it: its attributes but the code generated from its
+    graph, and its graph. FX's pickler generates the code to pickle it with (for a 24-block
+    GPT's plan, 0.3 s and 40 MB of the process's peak RSS when storing it, and the code's
+    text loaded again with every plan); loaded, the module is lazy (`make_graph_module`)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, options):
+        from torch.fx._graph_pickler import _GraphPickleData
+        self.attributes = {k: v for k, v in gm.__dict__.items() if k != "_graph" and k not in _GENERATED_CODE}
+        self.graph = _GraphPickleData(gm.graph, options)
+
+
+def _graph_module_from(data: _GraphModuleData, state) -> torch.fx.GraphModule:
+    gm = _LazyGraphModule.__new__(_LazyGraphModule)
+    gm.__dict__ = data.attributes
+    gm._graph = data.graph.unpickle(gm, state)
+    gm.recompile()  # marks it: its code is generated when it is first run or read
+    return gm
+
+
 @functools.cache
 def _graph_pickler(plain_fakes: bool) -> type:
     """FX's `GraphPickler`, but a fake view's base described without its fake mode, as the
@@ -323,6 +347,8 @@ def _graph_pickler(plain_fakes: bool) -> type:
         def reducer_override(self, obj):
             if isinstance(obj, torch.fx.Node):
                 return _unpickled_node, ()
+            if isinstance(obj, torch.fx.GraphModule):
+                return _graph_module_from, (_GraphModuleData(obj, self.options), self._unpickle_state)
             if isinstance(obj, torch.memory_format):
                 # By its name in torch: its own reduction is the global "torch.contiguous_format",
                 # which pickle finds in the first module with a `torch` attribute, in a spawned
