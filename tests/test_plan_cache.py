@@ -152,6 +152,25 @@ def test_a_pickled_plan_keeps_each_fake_value_and_which_values_share_a_storage()
     assert len({v.fake_mode for v in (loaded["whole"], loaded["rows"], loaded["strided"])}) == 1
 
 
+def test_a_graph_module_is_pickled_without_generating_its_code_and_loads_lazy():
+    """A plan's graph modules are lazy (`compat.make_graph_module`): pickling one generates no
+    code from its graph (FX's pickler would, and pickle the code's text), and the loaded one is
+    lazy too, its code generated when run, the same code and the same result."""
+    import torch.fx as fx
+
+    from piper_fx.compat import FakeTensorMode, ShapeEnv, _LazyGraphModule, load_graphs, make_graph_module, \
+        pickle_graphs
+
+    traced = fx.symbolic_trace(lambda x, y: torch.relu(x) @ y + 1)
+    gm = make_graph_module(traced, traced.graph)
+    data = pickle_graphs([gm], lambda key: False)
+    assert "_code" not in gm.__dict__ and b"def forward" not in data
+    (loaded,) = load_graphs(data, FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True))
+    assert isinstance(loaded, _LazyGraphModule) and "_code" not in loaded.__dict__
+    x, y = torch.randn(3, 4), torch.randn(4, 2)
+    assert torch.equal(loaded(x, y), torch.relu(x) @ y + 1) and loaded.code == traced.code
+
+
 def test_a_plan_with_a_fake_view_is_pickled_whole_by_fx():
     """A view is not plain: the whole pickle falls back to FX's description of every value,
     which keeps the view a view of its base."""
