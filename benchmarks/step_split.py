@@ -1,6 +1,6 @@
 """Where one rank's data-parallel step goes: piper_fx ZeRO-0 against DDP + torch.compile, phase by phase.
 
-    python benchmarks/step_split.py [--nproc 2] [--steps 150] [--n-layer 2] [--n-embd 64] [--skip-guards]
+    python benchmarks/step_split.py [--nproc 2] [--steps 150] [--n-layer 2] [--n-embd 64] [--skip-guards] [--alone]
 
 Builds both sides as `compare.py` does (the example GPT, AdamW fused unless `--adamw` says otherwise) in
 the same ranks and alternates their steps one by one, then prints, per side,
@@ -12,7 +12,10 @@ guards and the step's set-up) and the step's own work around the program, in
 the call and in `loss.backward()` (`step_call_s`). DDP's call is its forward;
 its backward holds the gradient all-reduces. `--n-layer` sets the model's depth
 (12 parameters a block), to see what grows with the parameters, and `--n-embd` its
-width, to see what grows with the compute. A measurement,
+width, to see what grows with the compute. `--alone` makes each rank a world of its
+own, with the same batch per rank and nothing to reduce, and compares piper_fx with
+`torch.compile(model)`: the compute of the step, beside the other ranks' as in the
+data-parallel run, without its communication. A measurement,
 not a test: nothing here asserts a time.
 """
 from __future__ import annotations
@@ -44,11 +47,17 @@ PHASES = ("call", "backward", "optimizer", "zero_grad", "total")
 
 
 def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_guards: bool, n_layer: int,
-        n_embd: int, adamw: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+        n_embd: int, adamw: str, alone: bool) -> None:
+    if alone:  # a world of one per rank
+        dist.init_process_group("gloo", init_method=f"file://{init_file}.{rank}", rank=0, world_size=1,
+                                timeout=timedelta(seconds=300))
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
-    makers = {"piper_fx zero=0": compare.piper({"zero": 0, "codegen": "inductor"}), "DDP + compile": compare.ddp(True)}
+    makers = {"piper_fx zero=0": compare.piper({"zero": 0, "codegen": "inductor"}),
+              **({"torch.compile": lambda model: compare.Built(torch.compile(model), model.parameters())} if alone
+                 else {"DDP + compile": compare.ddp(True)})}
     cfg = dataclasses.replace(compare.CFG, n_layer=n_layer, n_embd=n_embd)
     sides = {}
     for name, make in makers.items():
@@ -83,7 +92,8 @@ def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_g
                 times[name]["program"].append(stats["step_s"])
                 times[name]["own"].append(stats["step_call_s"])
     if rank == 0:
-        print(f"{world} CPU ranks (gloo), GPT {cfg.n_layer}x{cfg.n_embd} ({len(params)} parameters), "
+        print(f"{world} CPU ranks (gloo{', each a world of its own' if alone else ''}), "
+              f"GPT {cfg.n_layer}x{cfg.n_embd} ({len(params)} parameters), "
               f"{per_rank} sequences per rank, AdamW {adamw}, rank 0's phases, median of {steps} alternating steps, ms"
               + (", piper_fx's Dynamo guards skipped after warm-up" if skip_guards else ""))
         print(f"{'side':18s}" + "".join(f"{phase:>11s}" for phase in (*PHASES, "program", "own")))
@@ -105,10 +115,12 @@ def main() -> None:
                         help="after the warm-up, call piper_fx's step under torch.compiler.set_stance("
                              "skip_guard_eval_unsafe=True): how much of its call is Dynamo's guards (DDP's "
                              "compiled frames recompile under that stance)")
+    parser.add_argument("--alone", action="store_true",
+                        help="each rank a world of its own: the step's compute, against torch.compile(model)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(run, args=(args.nproc, os.path.join(tmp, "rendezvous"), args.steps, args.per_rank_batch,
-                               args.skip_guards, args.n_layer, args.n_embd, args.adamw),
+                               args.skip_guards, args.n_layer, args.n_embd, args.adamw, args.alone),
                  nprocs=args.nproc)
 
 
