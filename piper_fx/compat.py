@@ -307,14 +307,59 @@ _GENERATED_CODE = ("_code", "_lineno_map", "_prologue_start")
 
 class _GraphModuleData:
     """A graph module as a plan pickles it: its attributes but the code generated from its
-    graph, and its graph. FX's pickler generates the code to pickle it with, and pickles its
-    text: storing a 24-block GPT's ZeRO-3 plan took rank 0's RSS from 451 to 495 MB with it,
-    from 449 to 475 MB without. Loaded, the module is lazy (`make_graph_module`)."""
+    graph, and its graph (`_GraphData`). FX's pickler generates the code to pickle it with,
+    and pickles its text: storing a 24-block GPT's ZeRO-3 plan took rank 0's RSS from 451 to
+    495 MB with it, from 449 to 475 MB without. Loaded, the module is lazy (`make_graph_module`)."""
 
     def __init__(self, gm: torch.fx.GraphModule, options):
-        from torch.fx._graph_pickler import _GraphPickleData
         self.attributes = {k: v for k, v in gm.__dict__.items() if k != "_graph" and k not in _GENERATED_CODE}
-        self.graph = _GraphPickleData(gm.graph, options)
+        self.graph = _GraphData(gm.graph, options)
+
+
+class _NodeAt:
+    """A node in the arguments of a pickled graph's node: its position in the graph."""
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __reduce__(self):
+        return _NodeAt, (self.index,)
+
+
+class _GraphData:
+    """A graph as a plan pickles it: per node its op, name, target (as FX's pickler pickles a
+    target), arguments (each node in them `_NodeAt` its position), type and the metadata kept.
+    The arguments are mapped by FX's own `map_arg` and `map_aggregate`, where FX's pickler maps
+    each node's with pytree."""
+
+    def __init__(self, graph: torch.fx.Graph, options):
+        from torch.fx._graph_pickler import _OpPickleData
+        self.tracer_cls, self.tracer_extras, self.codegen = graph._tracer_cls, graph._tracer_extras, graph._codegen
+        kept = options.node_metadata_key_filter
+        position: dict[torch.fx.Node, int] = {}
+        self.nodes = []
+        for node in graph.nodes:
+            position[node] = len(position)
+            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: _NodeAt(position[n]))
+            meta = {key: value for key, value in node.meta.items() if kept is None or kept(key)}
+            self.nodes.append((node.op, node.name, _OpPickleData.pickle(node.target, options), args, kwargs,
+                               node.type, meta))
+
+    def unpickle(self, gm: torch.fx.GraphModule, state) -> torch.fx.Graph:
+        from torch.fx.node import map_aggregate
+        graph = torch.fx.Graph(gm, self.tracer_cls, self.tracer_extras)
+        made: list[torch.fx.Node] = []
+
+        def node_at(arg):
+            return made[arg.index] if type(arg) is _NodeAt else arg
+        for op, name, target, args, kwargs, type_, meta in self.nodes:
+            args, kwargs = map_aggregate((args, kwargs), node_at)
+            node = graph.create_node(op, target.unpickle(state), args, kwargs, name, type_)
+            node.meta = meta
+            made.append(node)
+        graph._codegen = self.codegen
+        return graph
 
 
 def _graph_module_from(data: _GraphModuleData, state) -> torch.fx.GraphModule:
