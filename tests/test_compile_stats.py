@@ -125,17 +125,10 @@ def _compile_beside_a_freeze(cache_dir: str) -> list[dict]:
         step = torch.compile(GPT(cfg), backend="piper", options={"codegen": "eager"})
         if own_freeze:
             gc.freeze()
-        before, threshold = gc.get_freeze_count(), gc.get_threshold()
-        collected_at = set()  # the youngest generation's threshold at each collection in the call
-
-        def note(phase, info):
-            collected_at.add(gc.get_threshold()[0])
-        gc.callbacks.append(note)
+        before = gc.get_freeze_count()
         step(*global_batch(0, 4, cfg)).backward()
-        gc.callbacks.remove(note)
         results.append({"before": before, "after": gc.get_freeze_count(),
-                        "frozen": piper_fx.last_compile_stats()["frozen_objects"],
-                        "thresholds": collected_at, "restored": gc.get_threshold() == threshold})
+                        "frozen": piper_fx.last_compile_stats()["frozen_objects"]})
         gc.unfreeze()
     return results
 
@@ -144,18 +137,32 @@ def test_a_compile_scans_only_the_objects_it_makes_and_leaves_a_freeze_of_the_pr
     """While the backend compiles, the objects the process held already are frozen, so that the
     garbage collections the compile sets off scan only what it made; they are thawed after.
     Where the process had frozen objects itself, the compile freezes nothing (thawing its own
-    would thaw the process's too) and leaves them frozen. Either way, the compile collects its
-    youngest generation at `COMPILE_GC_THRESHOLD` allocations, and the process's threshold is
-    back after it."""
-    from piper_fx.backend import COMPILE_GC_THRESHOLD
-
+    would thaw the process's too) and leaves them frozen."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         plain, beside = pool.apply(_compile_beside_a_freeze, (str(tmp_path / "inductor"),))
-    for compile_ in (plain, beside):
-        assert COMPILE_GC_THRESHOLD in compile_["thresholds"] and compile_["restored"], compile_
     assert plain["before"] == 0 and plain["frozen"] > 100_000 and plain["after"] == 0, plain
     # Still frozen after, but for the frozen objects the step let go of (freed, and so no longer counted).
     assert beside["before"] > 100_000 and beside["frozen"] == 0 and beside["after"] > 0.9 * beside["before"], beside
+
+
+def test_a_compile_collects_its_youngest_generation_less_often_and_restores_the_threshold():
+    """Inside the compile's collection context (the one that freezes the process's objects,
+    above), the youngest generation collects after `COMPILE_GC_THRESHOLD` allocations, whether
+    or not the process froze objects itself; after it, the process's thresholds are back."""
+    import gc
+
+    from piper_fx.backend import COMPILE_GC_THRESHOLD, _collecting_only_new_objects
+
+    before = gc.get_threshold()
+    for own_freeze in (False, True):
+        if own_freeze:
+            gc.freeze()
+        try:
+            with _collecting_only_new_objects():
+                assert gc.get_threshold() == (max(before[0], COMPILE_GC_THRESHOLD), *before[1:])
+            assert gc.get_threshold() == before
+        finally:
+            gc.unfreeze()
 
 
 def test_plan_cache_off_plans_every_compile(tmp_path):
