@@ -5,15 +5,16 @@ import copy
 
 from torch.fx.graph import _BoxedCodeGen
 
-from ..compat import code_now
+from ..compat import code_now, make_graph_module
 from ..ir import Task
 from ..ops import WAIT, collective_op_kind
 from ..runtime.timing import timed_collective, timed_wait
 
 
 def compile_task(task: Task, time_waits: bool = False):
-    gm = copy.copy(task.graph)
-    gm.graph = copy.deepcopy(task.graph.graph)
+    # A module of its own over a copy of the graph, lazy: its code is generated once, below
+    # (`copy.copy` of the task's module generated the task graph's code first).
+    gm = make_graph_module(task.graph, copy.deepcopy(task.graph.graph))
     # Boxed: the generated code clears the argument list, and FX code drops each
     # local after its last use, so values die inside the task, not at its end.
     gm.graph.set_codegen(_BoxedCodeGen())
