@@ -43,19 +43,21 @@ and the like); any other shape is refused.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.planner import ReadItem
 
-from .compat import _init_optim_state
+from .compat import init_optim_state
 from .philox import restore_stream, stream_state
 from .sharding.holdings import Holding, held_parameters, is_stored
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 MODEL, OPTIMIZER, STEP, RNG, DROPOUT = "model", "optimizer", "step", "rng", "dropout"
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
@@ -178,32 +180,46 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     stream = stream_state(list(model.parameters()))
     if stream is not None:  # the same on every rank
         state[DROPOUT] = {key: torch.tensor(value, dtype=torch.int64) for key, value in zip(_STREAM, stream)}
+    dcp = _dcp()
     with _single_process_is_meant():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(os.fspath(path)))
 
 
-class _WriteThroughPlanner(dcp.DefaultLoadPlanner):
-    """DCP's default load planner that checks every piece it reads landed in the tensor
-    it stands for (a parameter's or optimizer state's storage) and copies it there if not."""
+def _dcp():
+    """`torch.distributed.checkpoint`, imported when a checkpoint is saved or loaded: it brings
+    `torch.distributed.elastic` with it (2 MB of a process, 0.09 s of `import piper_fx`),
+    which a job that saves no checkpoint need not load."""
+    import torch.distributed.checkpoint as dcp
+    return dcp
 
-    def __init__(self, destinations: dict[tuple, torch.Tensor]):
-        super().__init__()
-        self._by_path = destinations
 
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        super().set_up_planner(state_dict, metadata, is_coordinator)
-        self._destinations = {fqn: self._by_path[tuple(path)] for fqn, path in self.mappings.items()
-                              if tuple(path) in self._by_path}
+@functools.cache
+def _write_through_planner() -> type[LoadPlanner]:
+    """DCP's default load planner that checks every piece it reads landed in the tensor it
+    stands for (a parameter's or optimizer state's storage) and copies it there if not:
+    made once, when the first checkpoint is loaded (`_dcp`)."""
 
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        destination = self._destinations.get(read_item.dest_index.fqn)
-        if destination is None or tensor.numel() == 0:
-            return
-        target = destination
-        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            target = target.narrow(dim, offset, length)
-        if target.data_ptr() != tensor.data_ptr() or target.stride() != tensor.stride():
-            target.copy_(tensor)
+    class WriteThroughPlanner(_dcp().DefaultLoadPlanner):
+        def __init__(self, destinations: dict[tuple, torch.Tensor]):
+            super().__init__()
+            self._by_path = destinations
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            self._destinations = {fqn: self._by_path[tuple(path)] for fqn, path in self.mappings.items()
+                                  if tuple(path) in self._by_path}
+
+        def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+            destination = self._destinations.get(read_item.dest_index.fqn)
+            if destination is None or tensor.numel() == 0:
+                return
+            target = destination
+            for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                target = target.narrow(dim, offset, length)
+            if target.data_ptr() != tensor.data_ptr() or target.stride() != tensor.stride():
+                target.copy_(tensor)
+
+    return WriteThroughPlanner
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -221,7 +237,7 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:  # a released parameter (another stage's) has no values to step
         group[_PARAMS] = [p for p in group[_PARAMS] if is_stored(p)]
     try:
-        _init_optim_state(optimizer)
+        init_optim_state(optimizer)
     finally:
         for group, group_params in zip(optimizer.param_groups, all_params):
             group[_PARAMS] = group_params
@@ -231,7 +247,7 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _saved_keys(path: str | os.PathLike) -> set[str]:
-    return set(dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata)
+    return set(_dcp().FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata)
 
 
 def _request_saved_only(optim_state: dict[str, Any], destinations: dict[tuple, torch.Tensor],
@@ -295,9 +311,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         destinations.update({(RNG, kind): value for kind, value in rng.items()})
     if f"{DROPOUT}.{_STREAM[0]}" in saved:
         state[DROPOUT] = {key: torch.zeros((), dtype=torch.int64) for key in _STREAM}
+    dcp = _dcp()
     with _single_process_is_meant():
         dcp.load(state, storage_reader=dcp.FileSystemReader(os.fspath(path)),
-                 planner=_WriteThroughPlanner(destinations))
+                 planner=_write_through_planner()(destinations))
     if DROPOUT in state:
         restore_stream(list(model.parameters()), *(int(state[DROPOUT][key]) for key in _STREAM))
     if optimizer is not None:

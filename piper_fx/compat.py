@@ -82,9 +82,6 @@ from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: F40
 # DTensor's sharding propagation on one op (placements of an FX node from its inputs').
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
 from torch.distributed.tensor._op_schema import OpSchema  # noqa: F401
-# Gives an optimizer its state (a zero-gradient step at lr 0) before a checkpoint is loaded into
-# it, as `set_optimizer_state_dict` does internally; public only inside that function.
-from torch.distributed.checkpoint.state_dict import _init_optim_state  # noqa: F401
 # Dispatch modes (memory and wait timing around tasks) and pytree leaves: stable in practice,
 # public in name only under torch.utils._python_dispatch / _pytree.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
@@ -125,6 +122,15 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 # DTensor's constructor without its `__init__` (which does nothing but passes Dynamo's
 # disable wrapper, 1.5 of its 2.5 microseconds); torch 2.11 may lack it.
 _NEW_DTENSOR = getattr(torch.Tensor, "_dtensor__new__", None)
+
+
+def init_optim_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give `optimizer` its state (a zero-gradient step at lr 0) before a checkpoint is loaded
+    into it, as `set_optimizer_state_dict` does internally. Public only inside that function.
+    Imported here when called: `torch.distributed.checkpoint` brings `torch.distributed.elastic`
+    with it (2 MB of a process, 0.09 s), which a job that loads no checkpoint need not load."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    _init_optim_state(optimizer)
 
 
 def dtensor_like(local: torch.Tensor, like: DTensor) -> DTensor:

@@ -205,8 +205,9 @@ def test_single_process_round_trip_and_repair_of_pieces_read_elsewhere(tmp_path,
     save_checkpoint(tmp_path, model, opt, step=2)
     expected_random = torch.rand(3)
 
-    resolve = piper_fx.checkpoint._WriteThroughPlanner.resolve_tensor
-    monkeypatch.setattr(piper_fx.checkpoint._WriteThroughPlanner, "resolve_tensor",
+    planner = piper_fx.checkpoint._write_through_planner()
+    resolve = planner.resolve_tensor
+    monkeypatch.setattr(planner, "resolve_tensor",
                         lambda self, item: resolve(self, item).clone())
     torch.manual_seed(1)
     fresh = GPT(config())
@@ -222,6 +223,18 @@ def test_single_process_round_trip_and_repair_of_pieces_read_elsewhere(tmp_path,
         assert torch.equal(fresh_opt.state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"])
         assert torch.equal(q.grad, grad)
     assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_importing_piper_fx_loads_dcp_only_when_a_checkpoint_is_saved(tmp_path):
+    """`torch.distributed.checkpoint` (and the `torch.distributed.elastic` it imports) is loaded
+    by the first checkpoint, not by `import piper_fx`: a process that saves none does not hold it."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch, piper_fx; loaded = lambda: 'torch.distributed.checkpoint' in sys.modules; "
+             f"print(loaded()); piper_fx.save_checkpoint({str(tmp_path)!r}, torch.nn.Linear(2, 2)); print(loaded())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"], out
 
 
 def test_load_checkpoint_reads_a_checkpoint_torch_saved(tmp_path):
