@@ -2,7 +2,7 @@
 compile in fresh processes: cold (an empty Inductor cache directory) and warm (a later run
 sharing the directory, as a second run of a training job does).
 
-    python benchmarks/compile_time.py [--nproc 2] [--rounds 3] [--n-layer 2] [--n-embd 64] [--only zero=0 ...]
+    python benchmarks/compile_time.py [--nproc 2] [--rounds 3] [--n-layer 2] [--n-embd 64] [--steps 5] [--only zero=0 ...]
 
 Per pair and side: the cold first step once, and the warm first step `--rounds` times, each in
 new rank processes (the slowest rank's time, median and spread over rounds), with piper_fx's
@@ -14,7 +14,8 @@ frame is done; AOTAutograd and Inductor for the native side), Inductor within it
 (and a backward compiled lazily, outside it), building the guards, and what the step spent
 outside Dynamo's compiles (running it and the first optimizer step, and the native side's
 eager parts). Beside them, each side's RSS, the largest rank's: its peak over the compile and
-`STEPS` steps, and in brackets what it still held after them (median over the warm runs):
+`--steps` more steps, and in brackets what it still held after them (median over the warm runs;
+a training job's steady state takes a few hundred steps to reach, `--steps 300`):
 memory measured in processes of its own, so neither side's count holds the other's (in
 `compare.py` both sides share each process). The pairs and models are `compare.py`'s (the example GPT, 8 sequences per rank;
 `--n-layer` and `--n-embd` set the data-parallel pairs' depth and width, as there);
@@ -40,7 +41,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import compare  # noqa: E402  (also puts the repository on the path)
 
 PER_RANK = 8
-STEPS = 5  # steps after the first, within the peak RSS
+STEPS = 5  # steps after the first, within the peak RSS (`--steps`)
 # Where a first step goes: Dynamo's timings (seconds per phase, summed over the process's
 # frames), by the name this table gives them. "Dynamo" is each frame's whole compile.
 DYNAMO_PHASES = {"Dynamo trace": "bytecode_tracing", "backend": "OutputGraph.call_user_compiler",
@@ -61,8 +62,9 @@ def _pairs(world: int, cfg: compare.GPTConfig = compare.CFG) -> dict:
     }
 
 
-def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str, side: int, cfg, results) -> None:
-    """One rank: build `pair`'s side, time its first step (barrier to barrier), take `STEPS`
+def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str, side: int, cfg, steps: int,
+                results) -> None:
+    """One rank: build `pair`'s side, time its first step (barrier to barrier), take `steps`
     more, and report with its RSS."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     import torch
@@ -71,7 +73,7 @@ def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str
     import piper_fx
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    seconds = _train(rank, world, pair, side, cfg)
+    seconds = _train(rank, world, pair, side, cfg, steps)
     # The side's model is gone before its process group: DDP's reducer freed after
     # `destroy_process_group` can hang in the group's destructor at exit.
     gc.collect()
@@ -90,8 +92,8 @@ def _first_step(rank: int, world: int, init_file: str, cache_dir: str, pair: str
     dist.destroy_process_group()
 
 
-def _train(rank: int, world: int, pair: str, side: int, cfg) -> float:
-    """Build `pair`'s side and train it `1 + STEPS` steps; the first step's seconds."""
+def _train(rank: int, world: int, pair: str, side: int, cfg, steps: int) -> float:
+    """Build `pair`'s side and train it `1 + steps` steps; the first step's seconds."""
     import torch
     import torch.distributed as dist
 
@@ -102,7 +104,7 @@ def _train(rank: int, world: int, pair: str, side: int, cfg) -> float:
     step, params, _ = make(model)
     opt = torch.optim.AdamW(list(params), lr=1e-3, foreach=True)
     seconds = 0.0
-    for i in range(1 + STEPS):
+    for i in range(1 + steps):
         x, y = compare.batch(i, PER_RANK * world)
         x, y = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
         if i == 0:
@@ -118,7 +120,8 @@ def _train(rank: int, world: int, pair: str, side: int, cfg) -> float:
     return seconds
 
 
-def _run(world: int, cache_dir: str, pair: str, side: int, cfg) -> tuple[float, tuple[float, float], str | None, dict]:
+def _run(world: int, cache_dir: str, pair: str, side: int, cfg, steps: int
+         ) -> tuple[float, tuple[float, float], str | None, dict]:
     """The first step of `pair`'s `side` (0: piper_fx, 1: native) in `world` new processes:
     its time, the largest rank's RSS in MB (peak, held after the steps), piper_fx's
     compile summary, and where rank 0's first step went (`DYNAMO_PHASES`, and `outside`)."""
@@ -126,7 +129,7 @@ def _run(world: int, cache_dir: str, pair: str, side: int, cfg) -> tuple[float, 
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_first_step, args=(r, world, os.path.join(tmp, "rdv"), cache_dir, pair, side, cfg,
-                                                       results)) for r in range(world)]
+                                                       steps, results)) for r in range(world)]
         for p in procs:
             p.start()
         result = compare._results_or_failure(results, procs)
@@ -156,11 +159,12 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="run only the pairs whose name contains one of these words")
     parser.add_argument("--n-layer", type=int, default=compare.CFG.n_layer, help="the data-parallel pairs' depth")
     parser.add_argument("--n-embd", type=int, default=compare.CFG.n_embd, help="the data-parallel pairs' width")
+    parser.add_argument("--steps", type=int, default=STEPS, help="steps after the first, within the peak RSS")
     args = parser.parse_args()
     cfg = dataclasses.replace(compare.CFG, n_layer=args.n_layer, n_embd=args.n_embd)
     print(f"{args.nproc} CPU ranks (gloo), data-parallel GPT {args.n_layer}x{args.n_embd}, first step (compile + one step) in new processes; cold: empty "
           f"Inductor cache directory, warm: a later run sharing it (median of {args.rounds} (spread)); "
-          f"RSS: the largest rank's peak over the compile and {STEPS + 1} steps (and held after them); ratio = "
+          f"RSS: the largest rank's peak over the compile and {args.steps + 1} steps (and held after them); ratio = "
           f"piper / native compiled")
     print(f"{'pair':<20} {'cold s piper/native':>20} {'ratio':>5} {'warm s piper (spread)':>22} "
           f"{'warm s native (spread)':>23} {'ratio':>5} {'cold RSS MB peak (held)':>27} {'ratio':>11} "
@@ -173,10 +177,10 @@ def main() -> None:
             cold, warm, cold_rss, warm_rss, summary, split = [], [], [], [], None, ([], [])
             for side in (0, 1):
                 cache_dir = os.path.join(tmp, f"pair{index}_side{side}")
-                seconds, rss, _, cold_phases = _run(args.nproc, cache_dir, pair, side, cfg)
+                seconds, rss, _, cold_phases = _run(args.nproc, cache_dir, pair, side, cfg, args.steps)
                 cold.append(seconds)
                 cold_rss.append(rss)
-                runs = [_run(args.nproc, cache_dir, pair, side, cfg) for _ in range(args.rounds)]
+                runs = [_run(args.nproc, cache_dir, pair, side, cfg, args.steps) for _ in range(args.rounds)]
                 warm.append([seconds for seconds, _, _, _ in runs])
                 warm_rss.append(tuple(statistics.median(rss[k] for _, rss, _, _ in runs) for k in (0, 1)))
                 summary = summary or runs[-1][2]
