@@ -2,7 +2,7 @@
 import re
 
 from ranks import run_ranks
-from training import program_placeholders_worker
+from training import program_placeholders_worker, replaced_memory_worker
 
 
 def test_placeholders_stand_for_the_parameters_and_follow_what_becomes_of_them():
@@ -23,3 +23,11 @@ def test_placeholders_stand_for_the_parameters_and_follow_what_becomes_of_them()
             assert other["type"] is not None, (where, other)
             assert re.search(r"piper_fx: parameter \S+ got its gradient through the plain placeholder",
                              other["message"]), (where, other)
+
+
+def test_a_step_reads_a_parameters_memory_as_it_is_now():
+    """The step remembers what its program reads for each parameter (`step._ProgramReads`);
+    memory replaced since is read, padded anew under ZeRO-3."""
+    for rank, by_zero in enumerate(run_ranks(replaced_memory_worker, 2, deadline_s=300)):
+        for zero, losses in by_zero.items():
+            assert losses["replaced"] == losses["in_place"] != losses["first"], (rank, zero, losses)

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import piper_fx
 from examples.gpt import GPT, GPTConfig
+from piper_fx.compat import local_tensor
 from piper_fx.sharding.dtensor_params import stood_for
 
 # Odd sizes on purpose: vocab 37 and block 9 rows do not divide by 2 or 4 ranks.
@@ -1089,6 +1090,38 @@ def program_placeholders_worker(rank: int, world: int) -> dict:
         other = torch.compile(model, backend="aot_eager")
         result["other_backend"] = outcome_of(*_call_timed(lambda: other(x, y).backward()))
         results[zero] = result
+    return results
+
+
+def replaced_memory_worker(rank: int, world: int) -> dict:
+    """A parameter whose memory was replaced between steps (its local tensor given new storage,
+    as `.data =` gives it) is read from there by the next step, not from what the step read
+    before: per ZeRO level, two prepared models of the same seed, each stepped once; then the
+    embedding (37 rows: padded under ZeRO-3) is zeroed, in one in new memory, in the other in
+    place. Their next losses are the same, and not the first step's."""
+    results = {}
+    for zero in (0, 3):
+        torch._dynamo.reset()
+        cfg = GPTConfig(**SMALL)
+        x, y = global_batch(0, 2 * world, cfg)
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        losses = []
+        for replace in (True, False):
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            options = {"codegen": "eager", "zero": zero}
+            piper_fx.prepare(model, options)
+            step = torch.compile(model, backend="piper", options=options)
+            first = step(x, y).item()
+            local = local_tensor(model.wte._parameters["weight"])  # itself (`to_local` gives an alias)
+            with torch.no_grad():
+                if replace:
+                    local.data = torch.zeros_like(local)
+                else:
+                    local.zero_()
+            losses.append((first, step(x, y).item()))
+        (first, replaced), (_, in_place) = losses
+        results[zero] = {"first": first, "replaced": replaced, "in_place": in_place}
     return results
 
 
