@@ -147,7 +147,7 @@ def check_one_device(example_inputs: list) -> torch.device | None:
         if t.device != device:
             raise PiperError(f"the model's parameters are on devices {device} (compiled argument {first}) and "
                              f"{t.device} (compiled argument {index}): piper_fx runs a rank's model on one "
-                             f"device; move the model there (model.to('{device}'))")
+                             f"device; move the model there (model.to('{device}'), before piper_fx.prepare)")
     for index, t in enumerate(example_inputs):
         if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.device != device:
             raise PiperError(f"compiled argument {index} is on device {t.device}, but the model's parameters "

@@ -11,6 +11,11 @@ def test_placeholders_stand_for_the_parameters_and_follow_what_becomes_of_them()
             where = (rank, zero)
             assert result["stands_for_its_parameter"] and result["placeholder_is_plain"], (where, result)
             assert result["tied_share_one"] and result["copy_tied_share_one"], (where, result)
+            assert result["to_where_it_is"] and result["still_float32"], (where, result)
+            converted = result["to_float64"]
+            assert converted["type"] == "PiperError", (where, converted)
+            assert re.search(r"parameter \S+ cannot be moved or converted after piper_fx.prepare", converted["message"])
+            assert "before prepare" in converted["message"], (where, converted)
             frozen = result["frozen_call"]
             assert frozen["type"] == "PiperError", (where, frozen)
             assert "(blocks.0.mlp.fc.weight) has requires_grad=False" in frozen["message"], (where, frozen)

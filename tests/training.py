@@ -1043,9 +1043,11 @@ def program_placeholders_worker(rank: int, world: int) -> dict:
     """What Dynamo traces of a prepared model (dp over every rank, ZeRO-0 and ZeRO-3): the
     parameters' program placeholders, and what becomes of them. Per ZeRO level: a parameter
     frozen after the first step (the next call rejects it, the one after compiles anew and
-    trains the others alone), a deep copy of the model (its placeholders stand for its own
-    parameters), a parameter registered anew (its placeholder dropped), and the model
-    compiled by another backend (its backward refuses to train the placeholders)."""
+    trains the others alone), the model moved where it is (a no-op) and converted to another
+    dtype (a `PiperError`: convert before `prepare`), a deep copy of the model (its
+    placeholders stand for its own parameters), a parameter registered anew (its placeholder
+    dropped), and the model compiled by another backend (its backward refuses to train the
+    placeholders)."""
     from torch.distributed.tensor import DTensor
 
     from piper_fx.sharding.dtensor_params import _PLACEHOLDERS
@@ -1068,6 +1070,10 @@ def program_placeholders_worker(rank: int, world: int) -> dict:
         result["stands_for_its_parameter"] = stood_for(placeholders["weight"]) is weight
         result["placeholder_is_plain"] = not isinstance(placeholders["weight"], DTensor)
         result["tied_share_one"] = getattr(model.lm_head, _PLACEHOLDERS)["weight"] is placeholders["weight"]
+        # Moved or converted: to where it is, a no-op (the calls below run after it); anew, refused.
+        result["to_where_it_is"] = model.to(torch.float32) is model and model.wte._parameters["weight"] is weight
+        result["to_float64"] = outcome_of(*_call_timed(lambda: model.to(torch.float64)))
+        result["still_float32"] = all(p.dtype == torch.float32 for p in model.parameters())
         # Frozen after compiling: this call is refused, the next compiles anew without its gradient.
         frozen = model.blocks[0].mlp.fc._parameters["weight"]
         frozen.requires_grad_(False)

@@ -54,6 +54,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..compat import dtensor_like, local_tensor
+from ..errors import PiperError
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -309,7 +310,7 @@ def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
     cls = type(module)
     if not getattr(cls, _OWN_CLASS, False):
         cls = type(cls.__name__, (cls,), {_OWN_CLASS: True, "__module__": cls.__module__,
-                                          "register_parameter": _register_parameter,
+                                          "register_parameter": _register_parameter, "_apply": _apply,
                                           "__getstate__": _getstate, "__setstate__": _setstate})
         module.__class__ = cls
         module.__dict__[_PLACEHOLDERS] = {}
@@ -349,6 +350,33 @@ def _getter(name: str, gather: tuple[torch._ops.OpOverload, list[int], str] | No
 def _register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
     self.__dict__[_PLACEHOLDERS].pop(name, None)
     type(self).__mro__[1].register_parameter(self, name, param)  # the module's own class
+
+
+def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+    """`nn.Module._apply` (what `to`, `to_empty`, `cuda`, `float` and the like run) for a module
+    holding parameters `prepare` laid out: a conversion that leaves each of them as it is (to
+    the device and dtype it has) converts the rest (buffers, other parameters, children); one
+    that would make any of them anew is a `PiperError` naming it, before anything changed. A
+    laid-out parameter's memory is shared by what the step reads (its padded rows, its program
+    placeholder), which a new tensor would leave behind; PyTorch's own swap of a DTensor
+    parameter's contents refuses it anyway ("Couldn't swap"), for the references kept of it."""
+    placeholders = self.__dict__[_PLACEHOLDERS]
+    for name, placeholder in placeholders.items():
+        parameter = self._parameters.get(name)
+        if parameter is not None and fn(parameter) is not parameter:
+            raise PiperError(
+                f"piper_fx: parameter {placeholder_name(placeholder)} cannot be moved or converted after "
+                "piper_fx.prepare laid it out (its shard, padding and the compiled step's view of its memory "
+                "are made for the tensor prepare was given): move or convert the model (.to, .to_empty, .cuda, "
+                ".float, ...) before prepare")
+    own = list(self._parameters.items())
+    for name in placeholders:
+        self._parameters.pop(name, None)
+    try:
+        return type(self).__mro__[1]._apply(self, fn, recurse)
+    finally:
+        self._parameters.clear()
+        self._parameters.update(own)
 
 
 def _getstate(self: nn.Module) -> dict:
