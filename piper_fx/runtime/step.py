@@ -102,11 +102,13 @@ class _ProgramReads:
     weak dictionary's lookup and a storage comparison: 0.7 ms a step on a GPT of 24 blocks).
     A read stands while its argument is the same object and, for a DTensor, holds the same
     local tensor at the same address; a padded copy (the parameter's memory was replaced
-    since `prepare`) is copied anew on every call. Everything is held weakly: the step
-    keeps no model's tensors alive. `version` changes whenever the reads do."""
+    since `prepare`) is copied anew on every call. The step keeps nothing of the model
+    alive, and no weak reference to a parameter either (`Module._apply`'s swap of a DTensor
+    parameter refuses one): a parameter by its `id`, tensors weakly. `version` changes
+    whenever the reads do."""
 
     def __init__(self):
-        self.entries: list[tuple] | None = None  # per argument: (it, its local tensor, address, its read)
+        self.entries: list[tuple] | None = None  # per argument: (its id, its local tensor, address, its read)
         self.version = 0
 
     def __call__(self, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -114,7 +116,7 @@ class _ProgramReads:
         if entries is not None and len(entries) == len(parameters):
             tensors = []
             for parameter, (owner, local, address, read) in zip(parameters, entries):
-                if owner() is not parameter:
+                if id(parameter) != owner:
                     break
                 if local is not None:
                     now = local_tensor(parameter)
@@ -132,17 +134,19 @@ class _ProgramReads:
         tensors = [program_tensor(p) for p in parameters]
         entries = []
         for parameter, tensor in zip(parameters, tensors):
-            if not isinstance(parameter, torch.Tensor):  # nothing to hold weakly: read at every call
-                self.entries = None
-                return tensors
-            if not isinstance(parameter, DTensor):
-                entries.append((weakref.ref(parameter), None, 0, None))
+            if not isinstance(parameter, DTensor):  # read as it is
+                entries.append((id(parameter), None, 0, None))
                 continue
             local = local_tensor(parameter)
-            if tensor is not local and tensor.untyped_storage()._cdata != local.untyped_storage()._cdata:
-                self.entries = None  # a copy: made anew at every call
+            try:
+                address = local.data_ptr()
+                copied = tensor is not local and tensor.untyped_storage()._cdata != local.untyped_storage()._cdata
+            except RuntimeError:  # a tensor without storage (a tensor subclass): read at every call
+                copied = True
+            if copied:  # (a padded copy is made anew at every call)
+                self.entries = None
                 return tensors
-            entries.append((weakref.ref(parameter), weakref.ref(local), local.data_ptr(), weakref.ref(tensor)))
+            entries.append((id(parameter), weakref.ref(local), address, weakref.ref(tensor)))
         self.entries = entries
         return tensors
 
