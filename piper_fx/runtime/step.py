@@ -36,7 +36,8 @@ from ..philox import StepRandomness
 from ..sharding.dtensor_params import accumulate_grad, parameter_grad, program_tensor, stood_for
 from . import failures
 from .executor import ProgramExecutor, StepRun
-from .memory import optimizer_state_bytes, optimizer_state_version, record_optimizer_state, storage_bytes
+from .memory import (optimizer_state_bytes, optimizer_state_version, record_optimizer_state, storage_bytes,
+                     storage_key)
 
 TRACED_STEPS = 2  # the first steps' traces go to the dumps; the second (warm) one stays
 
@@ -140,7 +141,7 @@ class _ProgramReads:
             local = local_tensor(parameter)
             try:
                 address = local.data_ptr()
-                copied = tensor is not local and tensor.untyped_storage()._cdata != local.untyped_storage()._cdata
+                copied = tensor is not local and storage_key(tensor) != storage_key(local)
             except RuntimeError:  # a tensor without storage (a tensor subclass): read at every call
                 copied = True
             if copied:  # (a padded copy is made anew at every call)
