@@ -2,7 +2,7 @@
 import re
 
 from ranks import run_ranks
-from training import program_placeholders_worker, replaced_memory_worker
+from training import attribute_reads_worker, program_placeholders_worker, replaced_memory_worker
 
 
 def test_placeholders_stand_for_the_parameters_and_follow_what_becomes_of_them():
@@ -36,3 +36,23 @@ def test_a_step_reads_a_parameters_memory_as_it_is_now():
     for rank, by_zero in enumerate(run_ranks(replaced_memory_worker, 2, deadline_s=300)):
         for zero, losses in by_zero.items():
             assert losses["replaced"] == losses["in_place"] != losses["first"], (rank, zero, losses)
+
+
+def test_a_sharded_parameters_attribute_is_its_dtensor_outside_a_forward_and_full_inside():
+    """As FSDP2's: a write through the attribute reaches the shards (it wrote into a gathered
+    copy, and was lost); the model, and a module holding a sharded parameter called alone, run
+    eagerly on the full tensors."""
+    for rank, by_case in enumerate(run_ranks(attribute_reads_worker, 2, deadline_s=300)):
+        for case, result in by_case.items():
+            where = (rank, case)
+            assert result["sharded"] > 0 and result["reads_are_the_parameters"], (where, result)
+            assert result["signature"], (where, result)
+            eager, unsharded = result["eager_loss"]
+            assert abs(eager - unsharded) <= 1e-6 * abs(unsharded), (where, result)
+            if case == "zero3":
+                assert result["module_alone"], (where, result)
+                assert result["after_a_raising_forward"] == "DTensor", (where, result)
+            assert result["written"] <= 1e-6, (where, result)
+            stepped, unsharded, before = result["step_loss"]
+            assert abs(stepped - unsharded) <= 1e-5 * abs(unsharded) and unsharded != before, (where, result)
+

@@ -1152,3 +1152,71 @@ def gather_bucket_worker(rank: int, world: int) -> dict:
         checks["aliases_a_shard"] = checks.get("aliases_a_shard", False) or any(
             gathered.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in shards)
     return checks
+
+
+def attribute_reads_worker(rank: int, world: int) -> dict:
+    """A sharded parameter read as the module's attribute, as FSDP2's reads: outside a forward the
+    parameter's `DTensor`, so writes into it (`zero_()`, `nn.init`, a module's `reset_parameters`)
+    reach its shards; inside an eager forward of the model, or of a module holding it called
+    alone, the full tensor, gathered. Per case (ZeRO-3 over dp; experts over ep), against the
+    unsharded model of the same seed: the reads' types and placements, the eager losses, the
+    same writes on both models, the compiled step's loss after them, and a forward that raises
+    (its reads outside a forward are `DTensor`s again)."""
+    from piper_fx.sharding.experts import is_expert_parameter
+
+    results = {}
+    for case, extra, options in (("zero3", {}, {"zero": 3}),
+                                 ("experts", {"n_expert": 4}, {"mesh": {"dp": world, "ep": world}})):
+        torch._dynamo.reset()
+        cfg = GPTConfig(**SMALL, **extra)
+        torch.manual_seed(0)
+        reference = GPT(cfg)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        if extra:
+            for module in model.experts():
+                piper_fx.mark_experts(module)
+            model.expert_context = lambda: piper_fx.annotate("EP")
+        options = {"codegen": "eager", **options}
+        piper_fx.prepare(model, options)
+        x, y = global_batch(0, 2 * world, cfg)
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        result = {}
+        named = dict(model.named_parameters())
+        sharded = [name for name, p in named.items() if isinstance(p, DTensor) and p.placements == (Shard(0),)
+                   and (is_expert_parameter(p) or not extra)]
+
+        def attribute(name: str) -> torch.Tensor:
+            module, _, attr = name.rpartition(".")
+            return getattr(model.get_submodule(module), attr)
+
+        result["sharded"] = len(sharded)
+        result["reads_are_the_parameters"] = all(attribute(name) is named[name] for name in sharded)
+        result["eager_loss"] = (model(x, y).item(), reference(x, y).item())
+        fc = model.blocks[0].mlp.fc if not extra else None
+        if fc is not None:
+            h = torch.randn(3, cfg.n_embd, generator=torch.Generator().manual_seed(rank))
+            result["module_alone"] = torch.equal(fc(h), reference.blocks[0].mlp.fc(h))
+            try:
+                fc(torch.ones(3, cfg.n_embd + 1))  # raises inside the forward, after its reads gathered
+            except RuntimeError:
+                pass
+            result["after_a_raising_forward"] = type(fc.weight).__name__
+        result["signature"] = str(inspect.signature(model.forward)) == str(inspect.signature(reference.forward))
+        # The same writes through the attributes of both models.
+        for m in (model, reference):
+            with torch.no_grad():
+                m.blocks[0].attn.proj.weight.zero_()
+            torch.nn.init.constant_(m.blocks[1].attn.qkv.weight, 0.02)
+            m.ln_f.weight.data.mul_(3.0)
+            m.ln_f.reset_parameters()  # LayerNorm's: ones and zeros, through its attributes
+            if extra:
+                for expert in m.experts():
+                    torch.nn.init.constant_(expert.w_in, 0.05)
+        written = {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in model.named_parameters()}
+        result["written"] = max(relative_error(written[name], p) for name, p in reference.named_parameters())
+        step = torch.compile(model, backend="piper", options=options)
+        result["step_loss"] = (step(x, y).item(), reference(x, y).item(), result["eager_loss"][1])
+        results[case] = result
+    return results
+

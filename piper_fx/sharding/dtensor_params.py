@@ -11,9 +11,12 @@ PyTorch's `state_dict`, `torch.distributed.checkpoint` and
 The module keeps the parameter under its own name (`state_dict()` keys are
 the model's); reading the attribute goes through a property of a subclass of
 the module's class made for that module (as SimpleFSDP does,
-`read_through`). Run eagerly, the read gives the DTensor's local tensor, or
-turns the local rows into the full tensor with a marker op (`piper::unshard`,
-`piper::unshard_experts`), whose eager kernel gathers them.
+`read_through`). Run eagerly, the read gives a replicated parameter's local
+tensor; a sharded one's outside a forward is the DTensor itself, as FSDP2's is
+(a write into it reaches the rows), and inside an eager forward
+(`gathers_in_eager_forward`) the full tensor, its local rows turned into it by
+a marker op (`piper::unshard`, `piper::unshard_experts`) whose eager kernel
+gathers them.
 
 Under `torch.compile`, Dynamo never sees the DTensor: the read gives the
 parameter's *program placeholder* instead (`program_placeholder`), a plain
@@ -44,6 +47,9 @@ optimizer, `state_dict` and `clip_grad_norm_` see every parameter's placement.
 """
 from __future__ import annotations
 
+import inspect
+import threading
+import types
 import weakref
 from typing import Callable
 
@@ -292,7 +298,10 @@ def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
     parameter itself), and its `program_placeholder` under `torch.compile`, the parameter
     staying registered under `name` (so `named_parameters` and `state_dict` keep their
     keys). With `gather`, a marker op (`piper::unshard`, `piper::unshard_experts`), the full
-    shape and the group name it takes, the read is the op's of that tensor: the full tensor.
+    shape and the group name it takes, the read is the parameter's `DTensor` itself, as
+    FSDP2's is outside a forward (so a write, `weight.zero_()` or `nn.init.normal_(weight)`,
+    reaches this rank's rows), and inside an eager forward (`gathers_in_eager_forward`) the
+    op's of its local rows: the full tensor, gathered.
 
     A property on a subclass of the module's class made for this module alone (its
     `__class__` is swapped once). The module keeps its placeholders in a plain dict, which
@@ -307,6 +316,15 @@ def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
     parameter for a closure over the name and a read function (639 of the 1531 lines of
     guards of a GPT of 4 blocks under ZeRO-0, all checked before every call).
     """
+    cls = _own_class(module)
+    module.__dict__[_PLACEHOLDERS][name] = placeholder
+    setattr(cls, name, property(_getter(name, gather, isinstance(module._parameters[name], DTensor))))
+    if gather is not None:
+        gathers_in_eager_forward(module)
+
+
+def _own_class(module: nn.Module) -> type:
+    """The subclass of `module`'s class made for it alone (made and swapped in on the first call)."""
     cls = type(module)
     if not getattr(cls, _OWN_CLASS, False):
         cls = type(cls.__name__, (cls,), {_OWN_CLASS: True, "__module__": cls.__module__,
@@ -314,17 +332,62 @@ def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
                                           "__getstate__": _getstate, "__setstate__": _setstate})
         module.__class__ = cls
         module.__dict__[_PLACEHOLDERS] = {}
-    module.__dict__[_PLACEHOLDERS][name] = placeholder
-    setattr(cls, name, property(_getter(name, gather, isinstance(module._parameters[name], DTensor))))
+    return cls
+
+
+class _EagerForwards(threading.local):
+    """How many forwards of modules `gathers_in_eager_forward` marked are running eagerly on
+    this thread: while any is, a sharded parameter's read gives the full tensor, gathered."""
+
+    depth = 0
+
+
+_EAGER_FORWARDS = _EagerForwards()
+
+
+def gathers_in_eager_forward(module: nn.Module) -> None:
+    """Make `module`'s forward, run eagerly, read every sharded parameter as its full tensor
+    (gathered by its marker op's collective, every rank of the group running it, as FSDP2's
+    pre-forward all-gather): `prepare` marks the model itself and every module holding a
+    sharded parameter, so the model, or any of those modules called alone, runs as a plain
+    module, while outside a forward the parameter reads as its `DTensor`. Under
+    `torch.compile` the forward is the module's own, its reads the program placeholders.
+
+    The forward is a copy of `_forward_gathering` for this module's class (no closure, so
+    Dynamo guards its code alone), signed as the class's own forward (`inspect.signature`,
+    which Hugging Face's `generate` reads to choose the arguments it passes)."""
+    cls = _own_class(module)
+    if "forward" in cls.__dict__:
+        return
+    base = cls.__mro__[1].forward
+    forward = types.FunctionType(_forward_gathering.__code__, _forward_gathering.__globals__, "forward")
+    forward.__qualname__ = f"{cls.__qualname__}.forward"
+    forward.__doc__, forward.__wrapped__ = base.__doc__, base
+    forward.__signature__ = inspect.signature(base)
+    cls.forward = forward
+
+
+def _forward_gathering(self, *args, **kwargs):
+    forward = type(self).__mro__[1].forward
+    if torch.compiler.is_compiling():
+        return forward(self, *args, **kwargs)
+    _EAGER_FORWARDS.depth += 1
+    try:
+        return forward(self, *args, **kwargs)
+    finally:
+        _EAGER_FORWARDS.depth -= 1
 
 
 # `read_through`'s getters, by their source: written as dataclasses write their methods, their
 # name, op, shape and group constants of their code, which reads nothing else but this module's
-# globals. `_piper_program_placeholders` is `_PLACEHOLDERS`, spelled out for Dynamo to trace.
+# globals. `_piper_program_placeholders` is `_PLACEHOLDERS`, spelled out for Dynamo to trace. A
+# parameter registered anew under the name (its placeholder dropped) is read as it is.
 _GETTER_SOURCE = """def get(self):
-    if torch.compiler.is_compiling() and {name!r} in self._piper_program_placeholders:
-        return {compiled}
-    return {eager}
+    if {name!r} in self._piper_program_placeholders:
+        if torch.compiler.is_compiling():
+            return {compiled}
+        return {eager}
+    return self._parameters[{name!r}]
 """
 _GETTERS: dict[str, Callable] = {}
 
@@ -336,9 +399,11 @@ def _getter(name: str, gather: tuple[torch._ops.OpOverload, list[int], str] | No
         op, full_shape, group_name = gather  # `str(op)`: "piper.unshard.default"
         return f"torch.ops.{op}({tensor}, {[int(size) for size in full_shape]!r}, {group_name!r})"
 
-    local = f"self._parameters[{name!r}]" + (".to_local()" if distributed else "")
+    parameter = f"self._parameters[{name!r}]"
+    local = parameter + (".to_local()" if distributed else "")
+    eager = local if gather is None else f"{read(local)} if _EAGER_FORWARDS.depth else {parameter}"
     source = _GETTER_SOURCE.format(name=name, compiled=read(f"self._piper_program_placeholders[{name!r}]"),
-                                   eager=read(local))
+                                   eager=eager)
     getter = _GETTERS.get(source)
     if getter is None:
         namespace: dict = {}

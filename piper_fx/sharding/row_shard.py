@@ -5,9 +5,9 @@ on the dp mesh (`dtensor_params`, so a stock optimizer built afterwards keeps
 state only for them), whose reads turn it back into the full tensor with the
 `piper::unshard` op. Dynamo traces that op as a marker; the strategy passes
 lower it (and its backward, `piper::reduce_grad`) to collectives placed as the
-ZeRO level says. Used eagerly, outside `torch.compile`, the ops run their
-collectives directly, so a prepared model still works as a plain module (every
-rank of the group must run it, as with FSDP).
+ZeRO level says. In a forward run eagerly, outside `torch.compile`, the ops
+run their collectives directly, so a prepared model still works as a plain
+module (every rank of the group must run it, as with FSDP).
 """
 from __future__ import annotations
 
