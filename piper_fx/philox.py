@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils.weak import WeakIdKeyDictionary
+
+from .sharding.dtensor_params import parameter_records
 
 MASK32 = 0xFFFFFFFF
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57   # Philox-4x32 multipliers
@@ -109,8 +110,8 @@ class StepRandomness:
 
 # The random stream of each compiled step, by the parameters it trains (what a checkpoint of the
 # model saves), and streams loaded from a checkpoint before the step that continues them was compiled.
-_STREAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_PENDING: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_STREAMS = parameter_records()
+_PENDING = parameter_records()
 
 
 def attach_stream(parameters: list[torch.Tensor], randomness: StepRandomness) -> None:

@@ -49,6 +49,9 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     runs it (`dtensor_params.trace_in_dtype`); the parameters stay in their dtype.
     Calling it again with the same layout is a no-op. With dp > 1 it first gives every replica the first replica's
     parameters and buffers, as DDP does, so it is collective: every rank must call it.
+    A model built on the meta device is laid out there, as under FSDP2: `model.to_empty(device=...)`
+    then gives each parameter its memory in place (`dtensor_params._materialize`), and the backend
+    starts the replicas alike when it first compiles the model.
     """
     strategy = parse_options_on_all_ranks(options)
     applied = prepared_layout(model)

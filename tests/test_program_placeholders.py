@@ -2,7 +2,8 @@
 import re
 
 from ranks import run_ranks
-from training import attribute_reads_worker, program_placeholders_worker, replaced_memory_worker
+from training import (attribute_reads_worker, meta_init_worker, program_placeholders_worker,
+                      replaced_memory_worker)
 
 
 def test_placeholders_stand_for_the_parameters_and_follow_what_becomes_of_them():
@@ -56,3 +57,16 @@ def test_a_sharded_parameters_attribute_is_its_dtensor_outside_a_forward_and_ful
             stepped, unsharded, before = result["step_loss"]
             assert abs(stepped - unsharded) <= 1e-5 * abs(unsharded) and unsharded != before, (where, result)
 
+
+def test_a_model_built_on_the_meta_device_is_materialized_by_to_empty_and_trains():
+    """FSDP2's initialisation: built on the meta device, prepared, `to_empty`, loaded with
+    `set_model_state_dict`; it trains exactly as the same strategy on the model built as usual
+    (bit for bit: the same values, the same program), tied embeddings still one parameter, and
+    ZeRO-0's replicas start from the first one's values (rank 1 changed its own after loading)."""
+    for rank, by_case in enumerate(run_ranks(meta_init_worker, 2, deadline_s=400)):
+        for case, result in by_case.items():
+            where = (rank, case)
+            assert result["real_after_to_empty"] and result["still_tied"], (where, result)
+            usual, meta = result["losses"]
+            assert usual == meta, (where, result)
+            assert result["same_parameters"], (where, result)

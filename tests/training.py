@@ -1220,3 +1220,68 @@ def attribute_reads_worker(rank: int, world: int) -> dict:
         results[case] = result
     return results
 
+
+def meta_init_worker(rank: int, world: int, steps: int = 3) -> dict:
+    """FSDP2's initialisation on the meta device, under piper_fx: the model built under
+    `torch.device("meta")`, prepared, materialized with `to_empty`, its values loaded with
+    PyTorch's `set_model_state_dict` from the full state dict of a model built as usual, then
+    trained. Per case: the losses and final parameters (full) of that run and of the same
+    strategy on the model built as usual, and whether every parameter's memory is real after
+    `to_empty`. At ZeRO-0 rank 1 changes its replica after loading: the first compile starts
+    every replica from the first one's values, as DDP does when it wraps a model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    results = {}
+    bf16 = {"mixed_precision": {"param_dtype": "bfloat16"}}
+    for case, extra, options in (
+            ("zero3", {}, {"zero": 3}), ("zero0", {}, {"zero": 0}), ("zero3_bf16", {}, {"zero": 3, **bf16}),
+            ("experts", {"n_expert": 4}, {"mesh": {"dp": world, "ep": world}}),
+            ("pp2_bf16", {}, {"mesh": {"pp": world}, "pipeline": {"microbatches": 2}, **bf16})):
+        options = {"codegen": "eager", **options}
+        cfg = GPTConfig(**SMALL, **extra)  # tied embeddings: one parameter held by two modules
+        runs = {}
+        for built in ("as_usual", "on_meta"):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            usual = GPT(cfg)
+            if built == "on_meta":
+                with torch.device("meta"):
+                    model = GPT(cfg)
+            else:
+                model = usual
+            if extra:
+                for module in model.experts():
+                    piper_fx.mark_experts(module)
+                model.expert_context = lambda: piper_fx.annotate("EP")
+            if built == "on_meta":
+                piper_fx.prepare(model, options)
+                model.to_empty(device=next(usual.parameters()).device)
+                runs["real_after_to_empty"] = not any(p.is_meta for p in model.parameters())
+                runs["still_tied"] = model.wte._parameters["weight"] is model.lm_head._parameters["weight"]
+                set_model_state_dict(model, usual.state_dict(), options=StateDictOptions(full_state_dict=True))
+                if case == "zero0" and rank == 1:
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            local(p).add_(1.0)
+            else:
+                piper_fx.prepare(model, options)
+            opt = make_optimizer("adamw", model.parameters())
+            step = torch.compile(model, backend="piper", options=options)
+            losses = []
+            for i in range(steps):
+                x, y = global_batch(i, 2 * world, cfg)
+                loss = step(x.chunk(world)[rank], y.chunk(world)[rank])
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            # The state dict: under a pipeline, the parameters this rank holds (the others' memory is freed).
+            params = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                      for name, p in model.state_dict().items()}
+            runs[built] = (losses, params)
+        (usual_losses, usual_params), (meta_losses, meta_params) = runs["as_usual"], runs["on_meta"]
+        results[case] = {"real_after_to_empty": runs["real_after_to_empty"], "still_tied": runs["still_tied"],
+                         "losses": (usual_losses, meta_losses),
+                         "same_parameters": usual_params.keys() == meta_params.keys() and all(
+                             torch.equal(usual_params[name], meta_params[name]) for name in usual_params)}
+    return results

@@ -22,10 +22,10 @@ import torch
 from torch import fx
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..compat import ProfilerEventType, TorchDispatchMode, local_tensor, tree_leaves
 from ..ops import RECOMPUTES
+from ..sharding.dtensor_params import parameter_records
 
 # The parts of a step's peak memory, in the order they are reported:
 # - parameters: the storage of the parameters and buffers the rank holds (its shards under
@@ -67,7 +67,7 @@ def storage_bytes(tensors: Iterable[object]) -> int:
 # optimizer belongs to the user, and a step only knows its parameters. Recorded by a
 # hook on every optimizer's step, installed when piper_fx compiles its first step
 # (`record_optimizer_state`).
-_OPTIMIZER_STATE_BYTES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_OPTIMIZER_STATE_BYTES = parameter_records()
 _RECORDING: list = []  # the hook's handle, once installed
 _STATE_CHANGES = [0]  # how many times a parameter's count changed: a version, for sums kept of them
 # Optimizer -> the outline of its state (`_state_outline`) when its parameters' were last counted.

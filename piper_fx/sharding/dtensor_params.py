@@ -61,6 +61,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..compat import dtensor_like, local_tensor
 from ..errors import PiperError
+from .replicas import mark_unsynchronized
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -71,8 +72,21 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+# What piper_fx records of a parameter, by the parameter (weakly; `parameter_records`).
+_PARAMETER_RECORDS: list[WeakIdKeyDictionary] = []
+
+
+def parameter_records() -> WeakIdKeyDictionary:
+    """A new dictionary of what piper_fx records of each parameter, keyed by the parameter
+    (weakly, by identity). A parameter laid out on the meta device keeps its records when
+    `to_empty` materializes it in place (`_materialize`): every such dictionary is made here."""
+    records = WeakIdKeyDictionary()
+    _PARAMETER_RECORDS.append(records)
+    return records
+
+
 # Each sharded parameter's padded rows: its DTensor's local tensor is a view of their first rows.
-_PADDED_ROWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_PADDED_ROWS = parameter_records()
 
 
 def parameter_owners(model: nn.Module, skip: Callable[[nn.Parameter], bool]
@@ -93,7 +107,7 @@ def parameter_owners(model: nn.Module, skip: Callable[[nn.Parameter], bool]
 
 
 # The `Replicate()` DTensor parameters `replicate_parameters` made.
-_REPLICATED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_REPLICATED = parameter_records()
 
 
 def is_replicated_parameter(t: object) -> bool:
@@ -206,7 +220,7 @@ def _strides_differ(grad: torch.Tensor, like: torch.Tensor) -> bool:
 _STANDS_FOR = "_piper_stands_for"  # a program placeholder's attribute: a weak reference to its parameter
 _NAME = "_piper_name"  # and the parameter's name in the model (the first, if tied)
 # Each parameter's program placeholder, one per parameter (the placeholder refers to it weakly).
-_PLACEHOLDER_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_PLACEHOLDER_OF = parameter_records()
 
 
 def program_placeholder(parameter: nn.Parameter, name: str, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -419,21 +433,40 @@ def _register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) 
 
 def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
     """`nn.Module._apply` (what `to`, `to_empty`, `cuda`, `float` and the like run) for a module
-    holding parameters `prepare` laid out: a conversion that leaves each of them as it is (to
-    the device and dtype it has) converts the rest (buffers, other parameters, children); one
-    that would make any of them anew is a `PiperError` naming it, before anything changed. A
-    laid-out parameter's memory is shared by what the step reads (its padded rows, its program
-    placeholder), which a new tensor would leave behind; PyTorch's own swap of a DTensor
-    parameter's contents refuses it anyway ("Couldn't swap"), for the references kept of it."""
+    holding parameters `prepare` laid out. A parameter laid out on the meta device (the model
+    built under `torch.device("meta")`, as for FSDP2) is materialized in place where `fn` makes
+    its memory (`to_empty(device=...)`, `_materialize`). Any other conversion that leaves each
+    laid-out parameter as it is (to the device and dtype it has) converts the rest (buffers,
+    other parameters, children); one that would make any of them anew is a `PiperError` naming
+    it, before this module changed. A laid-out parameter's memory is shared by what the step
+    reads (its padded rows, its program placeholder), which a new tensor would leave behind;
+    PyTorch's own swap of a DTensor parameter's contents refuses it anyway ("Couldn't swap"),
+    for the references kept of it."""
     placeholders = self.__dict__[_PLACEHOLDERS]
+    made: dict[str, torch.Tensor] = {}  # each meta parameter's new program tensor
     for name, placeholder in placeholders.items():
         parameter = self._parameters.get(name)
-        if parameter is not None and fn(parameter) is not parameter:
-            raise PiperError(
-                f"piper_fx: parameter {placeholder_name(placeholder)} cannot be moved or converted after "
-                "piper_fx.prepare laid it out (its shard, padding and the compiled step's view of its memory "
-                "are made for the tensor prepare was given): move or convert the model (.to, .to_empty, .cuda, "
-                ".float, ...) before prepare")
+        if parameter is None or (placeholder.is_meta and not parameter.is_meta):
+            continue  # dropped, or materialized by another module holding it (tied)
+        if parameter.is_meta:
+            program = program_tensor(parameter)
+            made[name] = fn(program)
+            if not made[name].is_meta and (made[name].shape, made[name].dtype) == (program.shape, program.dtype):
+                continue
+        elif fn(parameter) is parameter:
+            continue
+        raise PiperError(
+            f"piper_fx: parameter {placeholder_name(placeholder)} cannot be moved or converted after "
+            "piper_fx.prepare laid it out (its shard, padding and the compiled step's view of its memory "
+            "are made for the tensor prepare was given): move or convert the model (.to, .cuda, .float, "
+            "...) before prepare; a model built on the meta device is materialized by to_empty")
+    for name, program in made.items():
+        if self._parameters[name].is_meta:  # not under a name before it in this module
+            _materialize(self._parameters[name], program, placeholders[name])
+    for name, placeholder in placeholders.items():
+        parameter = self._parameters.get(name)
+        if parameter is not None and placeholder.is_meta and not parameter.is_meta:
+            placeholders[name] = _PLACEHOLDER_OF[parameter]
     own = list(self._parameters.items())
     for name in placeholders:
         self._parameters.pop(name, None)
@@ -442,6 +475,46 @@ def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse:
     finally:
         self._parameters.clear()
         self._parameters.update(own)
+
+
+def _materialize(parameter: nn.Parameter, program: torch.Tensor, placeholder: nn.Parameter) -> None:
+    """Give `parameter`, laid out on the meta device, the memory `program` (where `to_empty`
+    made its program tensor: the padded rows of a sharded one), in place, as PyTorch's
+    `_apply` swaps a DTensor parameter's contents: the same `Parameter` object, so the modules
+    holding it (tied ones too) and the caller's references keep it, with its records
+    (`parameter_records`) and a program placeholder on the new memory, in the old one's dtype.
+    A replicated parameter is marked for the backend to start every replica from the first
+    one's values when it compiles (`replicas`), as `prepare` did for a model built as usual.
+    A parameter something else refers to weakly (compiled already) cannot be swapped: a
+    `PiperError`, the parameter left as it was."""
+    if isinstance(parameter, DTensor):
+        local = program.narrow(0, 0, local_tensor(parameter).shape[0]) if parameter in _PADDED_ROWS else program
+        value = DTensor.from_local(local, parameter.device_mesh, parameter.placements, run_check=False,
+                                   shape=parameter.shape, stride=parameter.stride())
+    else:
+        value = program
+    materialized = nn.Parameter(value, requires_grad=parameter.requires_grad)
+    for key, attribute in parameter.__dict__.items():  # piper_fx's marks (its sharding, an expert's)
+        materialized.__dict__.setdefault(key, attribute)
+    records = [(kept, kept.pop(parameter)) for kept in _PARAMETER_RECORDS if parameter in kept]
+    placeholder.__dict__.pop(_STANDS_FOR)  # its weak reference: swap_tensors refuses a tensor referred to weakly
+    try:
+        torch.utils.swap_tensors(parameter, materialized)
+    except RuntimeError as error:
+        setattr(placeholder, _STANDS_FOR, weakref.ref(parameter))
+        for kept, record in records:
+            kept[parameter] = record
+        raise PiperError(
+            f"piper_fx: parameter {placeholder_name(placeholder)} cannot be materialized ({error}): call "
+            "to_empty on a model built on the meta device after piper_fx.prepare and before compiling it") from error
+    for kept, record in records:
+        kept[parameter] = record
+    if parameter in _PADDED_ROWS:
+        _PADDED_ROWS[parameter] = program
+    if parameter in _REPLICATED:
+        mark_unsynchronized(parameter)
+    del _PLACEHOLDER_OF[parameter]
+    program_placeholder(parameter, placeholder_name(placeholder), placeholder.dtype)
 
 
 def _getstate(self: nn.Module) -> dict:

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..compat import resolve_process_group
+from .dtensor_params import parameter_records
 from .row_shard import sharded_parameter_info
 
 
@@ -65,7 +65,7 @@ def _group_rank(group_name: str) -> int:
     return dist.get_rank(resolve_process_group(group_name))
 
 
-_HOLDINGS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_HOLDINGS = parameter_records()
 
 
 def record_holding(parameter: torch.Tensor, holding: Holding) -> None:
@@ -113,7 +113,7 @@ def is_stored(parameter: torch.Tensor) -> bool:
 # torch.distributed.pipelining does: its state dict has their keys alone (DCP writes
 # the union of the ranks'), loading leaves the others out, and no optimizer steps them.
 
-_RELEASED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # released parameters, as a set
+_RELEASED = parameter_records()  # released parameters, as a set
 _OPTIMIZER_HOOK: list = []  # the step pre-hook's handle, once installed
 _WHOLE = contextvars.ContextVar("piper_fx_whole_state_dict", default=False)
 
