@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 from .compat import maybe_mark_dynamic
 from .errors import PiperConfigError
 from .options import Strategy, parse_options_on_all_ranks
-from .sharding.dtensor_params import gathers_in_eager_forward, replicate_parameters, trace_in_dtype
+from .sharding.dtensor_params import (gathers_in_eager_forward, keep_tied_through_apply, replicate_parameters,
+                                      trace_in_dtype)
 from .sharding.experts import expert_parameters, is_expert_parameter, shard_experts
 from .sharding.fused_optimizers import step_fused_optimizers_on_local_tensors
 from .sharding.holdings import Holding, held_parameters, hide_released_parameters, record_holding
@@ -77,6 +78,8 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
         replicate_parameters(model, strategy_mesh(strategy)["dp"])
     if any(sharded_parameter_info(p) is not None for p in model.parameters()):
         gathers_in_eager_forward(model)  # and every module holding a sharded parameter (`read_through`)
+    if any(p.is_meta for p in model.parameters()):
+        keep_tied_through_apply(model)
     if strategy.mixed_precision.param_dtype is not None:
         trace_in_dtype(model, strategy.mixed_precision.param_dtype)
     record_holdings(model, strategy)

@@ -4,7 +4,8 @@ training, an illegal one is a `PiperConfigError` on every rank before anything r
 The space: pp in {1, 2, 4}, dp in {1, 2} (world <= 4), ep where the model has
 experts (and sometimes where it has none), zero 0..3, every schedule with
 legal and illegal microbatches and stages_per_rank, bucket_mb, overlap,
-prefetch, activation checkpointing (none, full, selective), SGD or AdamW;
+prefetch, activation checkpointing (none, full, selective), SGD or AdamW, the
+model built as usual or on the meta device (materialized after `prepare`);
 models: an MLP whose first layer's output crosses every stage boundary, the
 example GPT with tied embeddings, and its MoE version. CI runs a fixed-seed profile of 25 examples; set
 `PIPER_STRATEGY_EXAMPLES=N` for a longer, randomly seeded search (with

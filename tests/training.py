@@ -76,12 +76,16 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
                       call_prepare: bool = True, pp_regions: bool = False, n_layer: int = 2,
                       model: str = "gpt", experts: int = 0, ep_regions: bool = True,
                       capacity_factor: float | None = None, model_kwargs: dict | None = None,
-                      keywords: bool = False) -> dict:
+                      keywords: bool = False, on_meta: bool = False) -> dict:
     """Train with piper_fx on this rank's shard and, alongside, one model on the global batch.
 
     With `same_init=False` each rank initializes its own model from its own seed;
     the reference starts from rank 0's, which every replica must adopt. With `keywords`
     the compiled model is called with its batch as keyword arguments (`model(x=..., y=...)`).
+    With `on_meta` the model is built on the meta device and prepared there, then
+    materialized (`to_empty`) and given its values as FSDP2's users give them: its state
+    dict loaded with `set_model_state_dict` (full), its buffers (those outside the state
+    dict too) set by hand.
     """
     from models import MODELS, batch
 
@@ -93,7 +97,12 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     torch.manual_seed(0)
     reference = model_fn()
     torch.manual_seed(0 if same_init else rank)
-    model = model_fn()
+    if on_meta:
+        source = model_fn()
+        with torch.device("meta"):
+            model = model_fn()
+    else:
+        model = model_fn()
     if pp_regions:
         model.block_context = lambda: piper_fx.annotate("PP")
     if experts:
@@ -103,6 +112,14 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
             model.expert_context = lambda: piper_fx.annotate("EP")
     if call_prepare:
         piper_fx.prepare(model, options)
+    if on_meta:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        model.to_empty(device=next(source.parameters()).device)
+        set_model_state_dict(model, source.state_dict(), options=StateDictOptions(full_state_dict=True))
+        with torch.no_grad():
+            for name, buffer in source.named_buffers():
+                model.get_buffer(name).copy_(buffer)
     opt = make_optimizer(optimizer, model.parameters())
     ref_opt = make_optimizer(optimizer, reference.parameters())
     # Tokens each expert of the reference receives per step: routing is uneven, and parity must hold anyway.
@@ -1236,6 +1253,7 @@ def meta_init_worker(rank: int, world: int, steps: int = 3) -> dict:
     for case, extra, options in (
             ("zero3", {}, {"zero": 3}), ("zero0", {}, {"zero": 0}), ("zero3_bf16", {}, {"zero": 3, **bf16}),
             ("experts", {"n_expert": 4}, {"mesh": {"dp": world, "ep": world}}),
+            ("pp2", {}, {"mesh": {"pp": world}, "pipeline": {"microbatches": 2}}),  # plain parameters
             ("pp2_bf16", {}, {"mesh": {"pp": world}, "pipeline": {"microbatches": 2}, **bf16})):
         options = {"codegen": "eager", **options}
         cfg = GPTConfig(**SMALL, **extra)  # tied embeddings: one parameter held by two modules

@@ -467,14 +467,30 @@ def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse:
         parameter = self._parameters.get(name)
         if parameter is not None and placeholder.is_meta and not parameter.is_meta:
             placeholders[name] = _PLACEHOLDER_OF[parameter]
+    tied = [[(module, name) for _, module, name in holders]
+            for _, holders in parameter_owners(self, skip=lambda p: False) if len(holders) > 1]
     own = list(self._parameters.items())
     for name in placeholders:
         self._parameters.pop(name, None)
     try:
-        return type(self).__mro__[1]._apply(self, fn, recurse)
+        converted = type(self).__mro__[1]._apply(self, fn, recurse)
     finally:
         self._parameters.clear()
         self._parameters.update(own)
+    # PyTorch's `_apply` makes a parameter it cannot convert in place (a plain one on the meta
+    # device, given memory by `to_empty`) anew in each module holding it: tied ones are one again.
+    for (module, name), *others in tied:
+        for other, other_name in others:
+            other._parameters[other_name] = module._parameters[name]
+    return converted
+
+
+def keep_tied_through_apply(model: nn.Module) -> None:
+    """Have `model.to_empty(...)` (any `_apply`) keep its tied parameters tied, as it keeps
+    those `prepare` laid out (`_materialize`) and FSDP2 its own: `prepare` asks it of a model
+    built on the meta device, whose plain parameters (all of them at dp = 1) PyTorch would
+    make anew, one per module holding each."""
+    _own_class(model)
 
 
 def _materialize(parameter: nn.Parameter, program: torch.Tensor, placeholder: nn.Parameter) -> None:
