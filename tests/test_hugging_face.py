@@ -6,8 +6,8 @@ relative position biases, an encoder and a decoder, labels shifted by slice assi
 padded batch; with PIPER_HF_SWEEP=1, every model of `training.HUGGING_FACE` under both, on
 the batch as it is and padded (40 cases, under 4 minutes on 2 cores). A property test draws
 models and strategies over 2 and 4 ranks (every ZeRO level, every schedule, activation
-checkpointing, buckets, Inductor, padding): the same 6 cases in `make test`,
-`PIPER_HF_EXAMPLES=N` for a longer, randomly seeded search."""
+checkpointing, buckets, Inductor, padding, the model built on the meta device): the same 6
+cases in `make test`, `PIPER_HF_EXAMPLES=N` for a longer, randomly seeded search."""
 import os
 
 import pytest
@@ -75,9 +75,10 @@ SCHEDULE_MICROBATCHES = {"gpipe": 2, "1f1b": 2, "interleaved_1f1b": 2, "zb1p": 2
 
 
 @st.composite
-def hf_cases(draw) -> tuple[str, int, dict, bool]:
+def hf_cases(draw) -> tuple[str, int, dict, bool, bool]:
     """A Hugging Face model, a strategy over 2 ranks (data parallel at a ZeRO level, or a
-    pipeline schedule) or 4 (both), and whether the batch is padded."""
+    pipeline schedule) or 4 (both), whether the batch is padded, and whether the model is
+    built on the meta device (then prepared, materialized and loaded)."""
     codegen = "inductor" if draw(st.integers(1, 6)) == 1 else "eager"
     options = {"codegen": codegen, "bucket_mb": draw(st.sampled_from((25.0, 0.001))), "overlap": draw(st.booleans()),
                "activation_checkpointing": {"mode": draw(st.sampled_from(("none", "full", "selective")))}}
@@ -89,7 +90,7 @@ def hf_cases(draw) -> tuple[str, int, dict, bool]:
         schedule = draw(st.sampled_from(sorted(SCHEDULE_MICROBATCHES)))
         options.update(mesh={"pp": 2, "dp": world // 2}, pipeline={
             "schedule": schedule, "microbatches": SCHEDULE_MICROBATCHES[schedule]})
-    return draw(st.sampled_from(sorted(HUGGING_FACE))), world, options, draw(st.booleans())
+    return draw(st.sampled_from(sorted(HUGGING_FACE))), world, options, draw(st.booleans()), draw(st.booleans())
 
 
 @settings(max_examples=HF_EXAMPLES or 6, derandomize=not HF_EXAMPLES, database=None, deadline=None,
@@ -99,12 +100,12 @@ def hf_cases(draw) -> tuple[str, int, dict, bool]:
 def test_generated_strategies_train_hugging_face_models_as_one_process_does(case):
     """Within 1e-5 of one process's losses and parameters (of each one's largest value, the
     strategy tests' bound): microbatches and ranks sum a batch's rows otherwise than one process."""
-    name, world, options, pad = case
-    print(name, world, options, "padded" if pad else "")
+    name, world, options, pad, on_meta = case
+    print(name, world, options, "padded" if pad else "", "on meta" if on_meta else "")
     # A padded batch's pairs of rows hold as many tokens each: two rows a microbatch keep the
     # microbatches' mean loss the batch's.
     rows = 2 * options["pipeline"]["microbatches"] if "pipeline" in options else 4
-    _check_parity(run_ranks(hf_parity_worker, world, name, options, 3, rows, pad, deadline_s=400),
+    _check_parity(run_ranks(hf_parity_worker, world, name, options, 3, rows, pad, False, on_meta, deadline_s=400),
                   param_error=1e-5)
 
 

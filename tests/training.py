@@ -71,6 +71,20 @@ def optimizer_state_bytes(opt) -> int:
                        if isinstance(t, torch.Tensor) and t.dim() > 0)
 
 
+def materialize_as(model: nn.Module, source: nn.Module) -> None:
+    """Give `model`, built on the meta device and prepared there, memory (`to_empty`, on
+    `source`'s device) and `source`'s values as FSDP2's users give them: its state dict loaded
+    with `set_model_state_dict` (full), its buffers (those outside the state dict too) set by
+    hand, as a model's own initialisation recomputes them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=next(source.parameters()).device)
+    set_model_state_dict(model, source.state_dict(), options=StateDictOptions(full_state_dict=True))
+    with torch.no_grad():
+        for name, buffer in source.named_buffers():
+            model.get_buffer(name).copy_(buffer)
+
+
 def train_and_compare(rank: int, world: int, options: dict, optimizer: str, steps: int = 5,
                       tied: bool = True, per_rank_batch: int = 2, same_init: bool = True,
                       call_prepare: bool = True, pp_regions: bool = False, n_layer: int = 2,
@@ -82,10 +96,8 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     With `same_init=False` each rank initializes its own model from its own seed;
     the reference starts from rank 0's, which every replica must adopt. With `keywords`
     the compiled model is called with its batch as keyword arguments (`model(x=..., y=...)`).
-    With `on_meta` the model is built on the meta device and prepared there, then
-    materialized (`to_empty`) and given its values as FSDP2's users give them: its state
-    dict loaded with `set_model_state_dict` (full), its buffers (those outside the state
-    dict too) set by hand.
+    With `on_meta` the model is built on the meta device and prepared there, then given
+    memory and values (`materialize_as`).
     """
     from models import MODELS, batch
 
@@ -113,13 +125,7 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     if call_prepare:
         piper_fx.prepare(model, options)
     if on_meta:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        model.to_empty(device=next(source.parameters()).device)
-        set_model_state_dict(model, source.state_dict(), options=StateDictOptions(full_state_dict=True))
-        with torch.no_grad():
-            for name, buffer in source.named_buffers():
-                model.get_buffer(name).copy_(buffer)
+        materialize_as(model, source)
     opt = make_optimizer(optimizer, model.parameters())
     ref_opt = make_optimizer(optimizer, reference.parameters())
     # Tokens each expert of the reference receives per step: routing is uneven, and parity must hold anyway.
@@ -721,7 +727,7 @@ def padded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3, rows: int = 4,
-                     pad: bool = False, checkpointed: bool = False) -> dict:
+                     pad: bool = False, checkpointed: bool = False, on_meta: bool = False) -> dict:
     """A tiny Hugging Face model (`HUGGING_FACE[name]`) trained with piper_fx on this rank's
     shard of `rows` rows a replica against one copy on the global batch (SGD with momentum):
     relative errors of the losses, and the parameters (by name) whose final values are not
@@ -730,11 +736,17 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     `LossOf`. With `pad`, the batch is `padded`, and the model is called with its attention
     mask. With `checkpointed`, the model recomputes its layers' activations in the backward
     (transformers' `activation_checkpointing_enable`, non-reentrant, with no key and value
-    cache, whose warning that it is off would break the graph)."""
+    cache, whose warning that it is off would break the graph). With `on_meta`, the model is
+    built on the meta device, prepared there, and given memory and values (`materialize_as`)."""
     torch.manual_seed(0)
     reference = HUGGING_FACE[name]()
     torch.manual_seed(0)
-    model = HUGGING_FACE[name]()
+    source = HUGGING_FACE[name]()
+    if on_meta:
+        with torch.device("meta"):
+            model = HUGGING_FACE[name]()
+    else:
+        model = source
     if checkpointed:
         model.activation_checkpointing_enable({"use_reentrant": False})
         model.config.use_cache = False
@@ -742,6 +754,8 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     dp = mesh.get("dp", world // mesh.get("pp", 1))
     compiled = LossOf(model) if mesh.get("pp", 1) > 1 else None
     piper_fx.prepare(compiled or model, options)
+    if on_meta:  # the module prepare laid out, which keeps tied parameters tied (`keep_tied_through_apply`)
+        materialize_as(compiled or model, LossOf(source) if compiled else source)
     opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
     def loss_of(x, y, attention_mask=None):
         return model(input_ids=x, attention_mask=attention_mask, labels=y).loss
