@@ -140,9 +140,15 @@ def shard_parameters(model: nn.Module, mesh: DeviceMesh, keep: Callable[[nn.Para
 
     Tied parameters (one `Parameter` held by several modules) stay tied: they
     get one DTensor parameter, read through `piper::unshard` in every module that holds it.
+    Each whole parameter is let go once its rows replace it, as FSDP2's `fully_shard` lets
+    go of each module's: a rank holds the model and its shards at once only if the caller
+    keeps the model's parameters.
     """
     group_name = mesh.get_group().group_name
-    for original, holders in parameter_owners(model, skip=lambda p: p.dim() == 0 or keep(p)):
+    owners = parameter_owners(model, skip=lambda p: p.dim() == 0 or keep(p))
+    owners.reverse()
+    while owners:
+        original, holders = owners.pop()
         layout = RowShardLayout(tuple(original.shape), mesh.size())
         shard = layout.parameter(original.detach(), mesh, original.requires_grad)
         setattr(shard, INFO_ATTR, ShardedParameter(tuple(fqn for fqn, _, _ in holders), layout, group_name))
