@@ -1,6 +1,10 @@
 """Dynamo traces a prepared model's parameters as plain program placeholders (`dtensor_params`)."""
 import re
 
+import pytest
+import torch
+
+import piper_fx
 from ranks import run_ranks
 from training import (attribute_reads_worker, meta_init_worker, program_placeholders_worker,
                       replaced_memory_worker)
@@ -70,3 +74,31 @@ def test_a_model_built_on_the_meta_device_is_materialized_by_to_empty_and_trains
             usual, meta = result["losses"]
             assert usual == meta, (where, result)
             assert result["same_parameters"], (where, result)
+
+
+class _HoldsItsOwn(torch.nn.Module):
+    """A model holding a parameter of its own beside its children's, two of them tied."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(3))
+        self.first, self.second = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return (self.second(self.first(x)) * self.scale).sum()
+
+
+@pytest.mark.parametrize("options", [{}, {"mixed_precision": {"param_dtype": "bfloat16"}}], ids=["plain", "bf16"])
+def test_to_empty_gives_every_parameter_of_a_meta_model_memory_and_keeps_ties(options):
+    """In one process (nothing laid out but mixed precision's placeholders): every parameter,
+    the model's own among them, is real after `to_empty`, and tied ones are one parameter
+    (PyTorch alone makes a plain meta parameter anew in each module holding it; the model's
+    own parameter was put back on the meta device after `_apply` had converted it)."""
+    with torch.device("meta"):
+        model = _HoldsItsOwn()
+    piper_fx.prepare(model, {"codegen": "eager", **options})
+    model.to_empty(device="cpu")
+    assert not any(p.is_meta for p in model.parameters()), [n for n, p in model.named_parameters() if p.is_meta]
+    assert model.second._parameters["weight"] is model.first._parameters["weight"]
+    assert list(model._parameters) == ["scale"]

@@ -469,14 +469,14 @@ def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse:
             placeholders[name] = _PLACEHOLDER_OF[parameter]
     tied = [[(module, name) for _, module, name in holders]
             for _, holders in parameter_owners(self, skip=lambda p: False) if len(holders) > 1]
-    own = list(self._parameters.items())
-    for name in placeholders:
-        self._parameters.pop(name, None)
+    order = list(self._parameters)
+    laid_out = {name: self._parameters.pop(name) for name in placeholders if name in self._parameters}
     try:
         converted = type(self).__mro__[1]._apply(self, fn, recurse)
-    finally:
+    finally:  # the laid-out parameters back among the others, as `_apply` left those, in their order
+        others = dict(self._parameters)
         self._parameters.clear()
-        self._parameters.update(own)
+        self._parameters.update((name, laid_out[name] if name in laid_out else others[name]) for name in order)
     # PyTorch's `_apply` makes a parameter it cannot convert in place (a plain one on the meta
     # device, given memory by `to_empty`) anew in each module holding it: tied ones are one again.
     for (module, name), *others in tied:
