@@ -150,8 +150,11 @@ def check_one_device(example_inputs: list) -> torch.device | None:
                              f"device; move the model there (model.to('{device}'), before piper_fx.prepare)")
     for index, t in enumerate(example_inputs):
         if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.device != device:
+            unmade = ("; parameters on the meta device have no memory yet: give them memory and values "
+                      "(model.to_empty(device=...) after piper_fx.prepare, then initialise or load them) "
+                      "before compiling") if device.type == "meta" else ""
             raise PiperError(f"compiled argument {index} is on device {t.device}, but the model's parameters "
-                             f"are on {device}: move it to the model's device (.to('{device}'))")
+                             f"are on {device}: move it to the model's device (.to('{device}')){unmade}")
     return device
 
 
