@@ -171,7 +171,7 @@ def _trace_mixed_precision(gm: fx.GraphModule, examples: list, policy: MixedPrec
     """Write FSDP2's `MixedPrecisionPolicy` into the Dynamo graph, so AOTAutograd traces
     compute in `param_dtype` and the casts' backward (each gradient back to its
     parameter's dtype). Dynamo traced the parameters in `param_dtype` already (their
-    program placeholders, `dtensor_params.trace_in_dtype`), so the dtypes the model
+    program placeholders, `read_through.trace_in_dtype`), so the dtypes the model
     chose by reading them are those; the graph now reads the parameters themselves:
       - each floating parameter is read cast to `param_dtype`: a sharded one where
         its module reads it whole (after its marker, which `unshard_parameters`

@@ -14,8 +14,7 @@ from torch.distributed.tensor import DTensor
 from .compat import maybe_mark_dynamic
 from .errors import PiperConfigError
 from .options import Strategy, parse_options_on_all_ranks
-from .sharding.dtensor_params import (gathers_in_eager_forward, keep_tied_through_apply, replicate_parameters,
-                                      trace_in_dtype)
+from .sharding.read_through import gathers_in_eager_forward, keep_tied_through_apply, replicate_parameters, trace_in_dtype
 from .sharding.experts import expert_parameters, is_expert_parameter, shard_experts
 from .sharding.fused_optimizers import step_fused_optimizers_on_local_tensors
 from .sharding.holdings import Holding, held_parameters, hide_released_parameters, record_holding
@@ -47,11 +46,11 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     torch.distributed.pipelining holds only its own).
     With mixed precision (`mixed_precision.param_dtype`), Dynamo traces the model with
     its floating parameters in `param_dtype`, as FSDP2's `fully_shard(mp_policy=...)`
-    runs it (`dtensor_params.trace_in_dtype`); the parameters stay in their dtype.
+    runs it (`read_through.trace_in_dtype`); the parameters stay in their dtype.
     Calling it again with the same layout is a no-op. With dp > 1 it first gives every replica the first replica's
     parameters and buffers, as DDP does, so it is collective: every rank must call it.
     A model built on the meta device is laid out there, as under FSDP2: `model.to_empty(device=...)`
-    then gives each parameter its memory in place (`dtensor_params._materialize`), and the backend
+    then gives each parameter its memory in place (`dtensor_params.materialize`), and the backend
     starts the replicas alike when it first compiles the model.
     """
     strategy = parse_options_on_all_ranks(options)

@@ -1081,7 +1081,7 @@ def program_placeholders_worker(rank: int, world: int) -> dict:
     placeholders)."""
     from torch.distributed.tensor import DTensor
 
-    from piper_fx.sharding.dtensor_params import _PLACEHOLDERS
+    from piper_fx.sharding.read_through import _PLACEHOLDERS
 
     results = {}
     for zero in (0, 3):

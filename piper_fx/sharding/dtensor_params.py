@@ -11,7 +11,7 @@ PyTorch's `state_dict`, `torch.distributed.checkpoint` and
 The module keeps the parameter under its own name (`state_dict()` keys are
 the model's); reading the attribute goes through a property of a subclass of
 the module's class made for that module (as SimpleFSDP does,
-`read_through`). Run eagerly, the read gives a replicated parameter's local
+`read_through.py`). Run eagerly, the read gives a replicated parameter's local
 tensor; a sharded one's outside a forward is the DTensor itself, as FSDP2's is
 (a write into it reaches the rows), and inside an eager forward
 (`gathers_in_eager_forward`) the full tensor, its local rows turned into it by
@@ -33,7 +33,7 @@ local tensor a view of its first rows, so the program reads the very storage
 the optimizer updates.
 
 With mixed precision, every floating parameter's placeholder is in `param_dtype`
-(`trace_in_dtype`; a plain parameter, at dp = 1, gets one too), its bytes the first
+(`read_through.trace_in_dtype`; a plain parameter, at dp = 1, gets one too), its bytes the first
 of its program tensor's: Dynamo traces the model as FSDP2 runs it, its parameters
 cast, so the dtypes a model reads to choose one (an activation's, a parameter's)
 are `param_dtype`, and the step reads the parameter cast to it (`capture`).
@@ -41,22 +41,19 @@ are `param_dtype`, and the step reads the parameter cast to it (`capture`).
 Every other parameter (all of them at ZeRO-0, 0-d ones at any level, those
 that are not experts under ep) is a whole replica over dp: `prepare` makes it
 a `Replicate()` DTensor on the dp mesh sharing the original's storage
-(`replicate_parameters`), read as its local tensor, which is the program's
+(`read_through.replicate_parameters`), read as its local tensor, which is the program's
 tensor. Its gradient is handed back as a `Replicate()` DTensor too, so the
 optimizer, `state_dict` and `clip_grad_norm_` see every parameter's placement.
 """
 from __future__ import annotations
 
-import inspect
-import threading
-import types
 import weakref
 from typing import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..compat import dtensor_like, local_tensor
@@ -79,7 +76,7 @@ _PARAMETER_RECORDS: list[WeakIdKeyDictionary] = []
 def parameter_records() -> WeakIdKeyDictionary:
     """A new dictionary of what piper_fx records of each parameter, keyed by the parameter
     (weakly, by identity). A parameter laid out on the meta device keeps its records when
-    `to_empty` materializes it in place (`_materialize`): every such dictionary is made here."""
+    `to_empty` materializes it in place (`materialize`): every such dictionary is made here."""
     records = WeakIdKeyDictionary()
     _PARAMETER_RECORDS.append(records)
     return records
@@ -106,7 +103,7 @@ def parameter_owners(model: nn.Module, skip: Callable[[nn.Parameter], bool]
     return list(owners.values())
 
 
-# The `Replicate()` DTensor parameters `replicate_parameters` made.
+# The `Replicate()` DTensor parameters `read_through.replicate_parameters` made.
 _REPLICATED = parameter_records()
 
 
@@ -114,19 +111,9 @@ def is_replicated_parameter(t: object) -> bool:
     return isinstance(t, nn.Parameter) and t in _REPLICATED
 
 
-def replicate_parameters(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Make every plain-tensor parameter of `model` a `Replicate()` DTensor parameter on the
-    1-D `mesh` (the strategy mesh's "dp"), in place, sharing the original's storage;
-    reads of the module attribute give its local tensor. Parameters already DTensors
-    (ZeRO shards, blocks of experts) are left as they are; tied ones stay tied."""
-    for original, holders in parameter_owners(model, skip=lambda p: isinstance(p, DTensor)):
-        value = DTensor.from_local(original.detach(), mesh, [Replicate()], run_check=False)
-        parameter = nn.Parameter(value, requires_grad=original.requires_grad)
-        _REPLICATED[parameter] = True
-        placeholder = program_placeholder(parameter, holders[0][0])
-        for _, module, name in holders:
-            module._parameters[name] = parameter
-            read_through(module, name, placeholder)
+def mark_replicated(parameter: nn.Parameter) -> None:
+    """Record `parameter` as a `Replicate()` DTensor parameter `prepare` made."""
+    _REPLICATED[parameter] = True
 
 
 def row_sharded_parameter(padded: torch.Tensor, local_rows: int, global_shape: tuple[int, ...],
@@ -265,25 +252,6 @@ def _same_storage(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tens
         storage, offset // itemsize, tensor.shape, tensor.stride())
 
 
-def trace_in_dtype(model: nn.Module, dtype: torch.dtype) -> None:
-    """Make Dynamo trace every floating parameter of `model` in `dtype` (mixed precision's
-    `param_dtype`), as FSDP2 runs the model with its parameters cast: a model that reads a
-    parameter's or an activation's dtype to choose one (Hugging Face's RMSNorm casting back
-    to its input's dtype, rotary tables cast to the query's) then chooses `dtype`, where
-    Dynamo tracing the fp32 parameters baked float32 into the graph. Each parameter's
-    program placeholder is made in `dtype` (a plain parameter gets one, read through as
-    DTensor parameters are, `read_through`); the piper backend stands the parameter in,
-    read cast to `dtype` (`capture`), so the program computes with its values."""
-    for parameter, holders in parameter_owners(model, skip=lambda p: not p.is_floating_point() or p.dtype == dtype):
-        placeholder = program_placeholder(parameter, holders[0][0], dtype)
-        for _, module, name in holders:
-            placeholders = module.__dict__.get(_PLACEHOLDERS)
-            if placeholders is not None and name in placeholders:  # read through already: its gather stays
-                placeholders[name] = placeholder
-            else:
-                read_through(module, name, placeholder)
-
-
 def _compiled_by_another_backend(placeholder: nn.Parameter) -> None:
     raise RuntimeError(
         f"piper_fx: parameter {placeholder_name(placeholder)} got its gradient through the plain placeholder that "
@@ -302,198 +270,7 @@ def placeholder_name(tensor: object) -> str | None:
     return getattr(tensor, _NAME, None)
 
 
-_OWN_CLASS = "_piper_reads_through"  # marks the class `read_through` made for one module
-_PLACEHOLDERS = "_piper_program_placeholders"  # a module's placeholders by parameter name (a plain dict)
-
-
-def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
-                 gather: tuple[torch._ops.OpOverload, list[int], str] | None = None) -> None:
-    """Make reading `module.<name>` return the parameter's local tensor eagerly (a plain
-    parameter itself), and its `program_placeholder` under `torch.compile`, the parameter
-    staying registered under `name` (so `named_parameters` and `state_dict` keep their
-    keys). With `gather`, a marker op (`piper::unshard`, `piper::unshard_experts`), the full
-    shape and the group name it takes, the read is the parameter's `DTensor` itself, as
-    FSDP2's is outside a forward (so a write, `weight.zero_()` or `nn.init.normal_(weight)`,
-    reaches this rank's rows), and inside an eager forward (`gathers_in_eager_forward`) the
-    op's of its local rows: the full tensor, gathered.
-
-    A property on a subclass of the module's class made for this module alone (its
-    `__class__` is swapped once). The module keeps its placeholders in a plain dict, which
-    Dynamo traces as a module's own attribute (a dict subclass, traced as a user object,
-    made its trace slower than the DTensors' had been). A parameter registered anew
-    under `name` (e.g. `load_state_dict(..., assign=True)`) drops its placeholder: the new
-    one is read itself. A copy of the module (`copy.deepcopy`) gets the placeholders of its
-    own parameters, not copies of the original's.
-
-    The property's getter is written for its name and read (`_getter`): Dynamo guards a
-    getter it traces by its code, and by every closure cell it reads, a dozen guards a
-    parameter for a closure over the name and a read function (639 of the 1531 lines of
-    guards of a GPT of 4 blocks under ZeRO-0, all checked before every call).
-    """
-    cls = _own_class(module)
-    module.__dict__[_PLACEHOLDERS][name] = placeholder
-    setattr(cls, name, property(_getter(name, gather, isinstance(module._parameters[name], DTensor))))
-    if gather is not None:
-        gathers_in_eager_forward(module)
-
-
-def _own_class(module: nn.Module) -> type:
-    """The subclass of `module`'s class made for it alone (made and swapped in on the first call)."""
-    cls = type(module)
-    if not getattr(cls, _OWN_CLASS, False):
-        cls = type(cls.__name__, (cls,), {_OWN_CLASS: True, "__module__": cls.__module__,
-                                          "register_parameter": _register_parameter, "_apply": _apply,
-                                          "__getstate__": _getstate, "__setstate__": _setstate})
-        module.__class__ = cls
-        module.__dict__[_PLACEHOLDERS] = {}
-    return cls
-
-
-class _EagerForwards(threading.local):
-    """How many forwards of modules `gathers_in_eager_forward` marked are running eagerly on
-    this thread: while any is, a sharded parameter's read gives the full tensor, gathered."""
-
-    depth = 0
-
-
-_EAGER_FORWARDS = _EagerForwards()
-
-
-def gathers_in_eager_forward(module: nn.Module) -> None:
-    """Make `module`'s forward, run eagerly, read every sharded parameter as its full tensor
-    (gathered by its marker op's collective, every rank of the group running it, as FSDP2's
-    pre-forward all-gather): `prepare` marks the model itself and every module holding a
-    sharded parameter, so the model, or any of those modules called alone, runs as a plain
-    module, while outside a forward the parameter reads as its `DTensor`. Under
-    `torch.compile` the forward is the module's own, its reads the program placeholders.
-
-    The forward is a copy of `_forward_gathering` for this module's class (no closure, so
-    Dynamo guards its code alone), signed as the class's own forward (`inspect.signature`,
-    which Hugging Face's `generate` reads to choose the arguments it passes)."""
-    cls = _own_class(module)
-    if "forward" in cls.__dict__:
-        return
-    base = cls.__mro__[1].forward
-    forward = types.FunctionType(_forward_gathering.__code__, _forward_gathering.__globals__, "forward")
-    forward.__qualname__ = f"{cls.__qualname__}.forward"
-    forward.__doc__, forward.__wrapped__ = base.__doc__, base
-    forward.__signature__ = inspect.signature(base)
-    cls.forward = forward
-
-
-def _forward_gathering(self, *args, **kwargs):
-    forward = type(self).__mro__[1].forward
-    if torch.compiler.is_compiling():
-        return forward(self, *args, **kwargs)
-    _EAGER_FORWARDS.depth += 1
-    try:
-        return forward(self, *args, **kwargs)
-    finally:
-        _EAGER_FORWARDS.depth -= 1
-
-
-# `read_through`'s getters, by their source: written as dataclasses write their methods, their
-# name, op, shape and group constants of their code, which reads nothing else but this module's
-# globals. `_piper_program_placeholders` is `_PLACEHOLDERS`, spelled out for Dynamo to trace. A
-# parameter registered anew under the name (its placeholder dropped) is read as it is.
-_GETTER_SOURCE = """def get(self):
-    if {name!r} in self._piper_program_placeholders:
-        if torch.compiler.is_compiling():
-            return {compiled}
-        return {eager}
-    return self._parameters[{name!r}]
-"""
-_GETTERS: dict[str, Callable] = {}
-
-
-def _getter(name: str, gather: tuple[torch._ops.OpOverload, list[int], str] | None, distributed: bool) -> Callable:
-    def read(tensor: str) -> str:
-        if gather is None:
-            return tensor
-        op, full_shape, group_name = gather  # `str(op)`: "piper.unshard.default"
-        return f"torch.ops.{op}({tensor}, {[int(size) for size in full_shape]!r}, {group_name!r})"
-
-    parameter = f"self._parameters[{name!r}]"
-    local = parameter + (".to_local()" if distributed else "")
-    eager = local if gather is None else f"{read(local)} if _EAGER_FORWARDS.depth else {parameter}"
-    source = _GETTER_SOURCE.format(name=name, compiled=read(f"self._piper_program_placeholders[{name!r}]"),
-                                   eager=eager)
-    getter = _GETTERS.get(source)
-    if getter is None:
-        namespace: dict = {}
-        exec(compile(source, f"<piper_fx getter of {name}>", "exec"), globals(), namespace)
-        getter = _GETTERS[source] = namespace["get"]
-    return getter
-
-
-def _register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    self.__dict__[_PLACEHOLDERS].pop(name, None)
-    type(self).__mro__[1].register_parameter(self, name, param)  # the module's own class
-
-
-def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
-    """`nn.Module._apply` (what `to`, `to_empty`, `cuda`, `float` and the like run) for a module
-    holding parameters `prepare` laid out. A parameter laid out on the meta device (the model
-    built under `torch.device("meta")`, as for FSDP2) is materialized in place where `fn` makes
-    its memory (`to_empty(device=...)`, `_materialize`). Any other conversion that leaves each
-    laid-out parameter as it is (to the device and dtype it has) converts the rest (buffers,
-    other parameters, children); one that would make any of them anew is a `PiperError` naming
-    it, before this module changed. A laid-out parameter's memory is shared by what the step
-    reads (its padded rows, its program placeholder), which a new tensor would leave behind;
-    PyTorch's own swap of a DTensor parameter's contents refuses it anyway ("Couldn't swap"),
-    for the references kept of it."""
-    placeholders = self.__dict__[_PLACEHOLDERS]
-    made: dict[str, torch.Tensor] = {}  # each meta parameter's new program tensor
-    for name, placeholder in placeholders.items():
-        parameter = self._parameters.get(name)
-        if parameter is None or (placeholder.is_meta and not parameter.is_meta):
-            continue  # dropped, or materialized by another module holding it (tied)
-        if parameter.is_meta:
-            program = program_tensor(parameter)
-            made[name] = fn(program)
-            if not made[name].is_meta and (made[name].shape, made[name].dtype) == (program.shape, program.dtype):
-                continue
-        elif fn(parameter) is parameter:
-            continue
-        raise PiperError(
-            f"piper_fx: parameter {placeholder_name(placeholder)} cannot be moved or converted after "
-            "piper_fx.prepare laid it out (its shard, padding and the compiled step's view of its memory "
-            "are made for the tensor prepare was given): move or convert the model (.to, .cuda, .float, "
-            "...) before prepare; a model built on the meta device is materialized by to_empty")
-    for name, program in made.items():
-        if self._parameters[name].is_meta:  # not under a name before it in this module
-            _materialize(self._parameters[name], program, placeholders[name])
-    for name, placeholder in placeholders.items():
-        parameter = self._parameters.get(name)
-        if parameter is not None and placeholder.is_meta and not parameter.is_meta:
-            placeholders[name] = _PLACEHOLDER_OF[parameter]
-    tied = [[(module, name) for _, module, name in holders]
-            for _, holders in parameter_owners(self, skip=lambda p: False) if len(holders) > 1]
-    order = list(self._parameters)
-    laid_out = {name: self._parameters.pop(name) for name in placeholders if name in self._parameters}
-    try:
-        converted = type(self).__mro__[1]._apply(self, fn, recurse)
-    finally:  # the laid-out parameters back among the others, as `_apply` left those, in their order
-        others = dict(self._parameters)
-        self._parameters.clear()
-        self._parameters.update((name, laid_out[name] if name in laid_out else others[name]) for name in order)
-    # PyTorch's `_apply` makes a parameter it cannot convert in place (a plain one on the meta
-    # device, given memory by `to_empty`) anew in each module holding it: tied ones are one again.
-    for (module, name), *others in tied:
-        for other, other_name in others:
-            other._parameters[other_name] = module._parameters[name]
-    return converted
-
-
-def keep_tied_through_apply(model: nn.Module) -> None:
-    """Have `model.to_empty(...)` (any `_apply`) keep its tied parameters tied, as it keeps
-    those `prepare` laid out (`_materialize`) and FSDP2 its own: `prepare` asks it of a model
-    built on the meta device, whose plain parameters (all of them at dp = 1) PyTorch would
-    make anew, one per module holding each."""
-    _own_class(model)
-
-
-def _materialize(parameter: nn.Parameter, program: torch.Tensor, placeholder: nn.Parameter) -> None:
+def materialize(parameter: nn.Parameter, program: torch.Tensor, placeholder: nn.Parameter) -> None:
     """Give `parameter`, laid out on the meta device, the memory `program` (where `to_empty`
     made its program tensor: the padded rows of a sharded one), in place, as PyTorch's
     `_apply` swaps a DTensor parameter's contents: the same `Parameter` object, so the modules
@@ -531,18 +308,3 @@ def _materialize(parameter: nn.Parameter, program: torch.Tensor, placeholder: nn
         mark_unsynchronized(parameter)
     del _PLACEHOLDER_OF[parameter]
     program_placeholder(parameter, placeholder_name(placeholder), placeholder.dtype)
-
-
-def _getstate(self: nn.Module) -> dict:
-    state = type(self).__mro__[1].__getstate__(self)
-    # Not the placeholders, which stand for these very parameters: their names and dtypes, to
-    # make those of the parameters the state's new module holds.
-    state[_PLACEHOLDERS] = {name: (placeholder_name(p), p.dtype) for name, p in state[_PLACEHOLDERS].items()}
-    return state
-
-
-def _setstate(self: nn.Module, state: dict) -> None:
-    made = state.pop(_PLACEHOLDERS, {})
-    type(self).__mro__[1].__setstate__(self, state)
-    self.__dict__[_PLACEHOLDERS] = {name: program_placeholder(self._parameters[name], fqn, dtype)
-                                    for name, (fqn, dtype) in made.items()}

@@ -19,7 +19,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .dtensor_params import program_placeholder, read_through
+from .dtensor_params import program_placeholder
+from .read_through import read_through
 from .row_shard import INFO_ATTR, RowShardLayout, ShardedParameter, define_row_markers
 
 EXPERT_ATTR = "_piper_expert"

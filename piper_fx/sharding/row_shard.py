@@ -22,7 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..collectives import lowering
 from ..compat import resolve_process_group
-from .dtensor_params import parameter_owners, program_placeholder, read_through, row_sharded_parameter
+from .dtensor_params import parameter_owners, program_placeholder, row_sharded_parameter
+from .read_through import read_through
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ in each.
 Module names are those of `named_modules()` of the compiled model (the module
 given to `torch.compile`, or the one a compiled function calls); the model
 itself is never a unit. A sharded parameter is read by the module that holds
-it (its read runs in that module: `dtensor_params.read_through`); the modules
+it (its read runs in that module: `read_through.read_through`); the modules
 of a user's own parametrization do not count.
 """
 from __future__ import annotations
