@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from .compat import maybe_mark_dynamic
 from .errors import PiperConfigError
 from .options import Strategy, parse_options_on_all_ranks
-from .sharding.read_through import gathers_in_eager_forward, keep_tied_through_apply, replicate_parameters, trace_in_dtype
+from .sharding.read_through import gathers_in_eager_forward, laid_out_on_meta, replicate_parameters, trace_in_dtype
 from .sharding.experts import expert_parameters, is_expert_parameter, shard_experts
 from .sharding.fused_optimizers import step_fused_optimizers_on_local_tensors
 from .sharding.holdings import Holding, held_parameters, hide_released_parameters, record_holding
@@ -78,7 +78,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     if any(sharded_parameter_info(p) is not None for p in model.parameters()):
         gathers_in_eager_forward(model)  # and every module holding a sharded parameter (`read_through`)
     if any(p.is_meta for p in model.parameters()):
-        keep_tied_through_apply(model)
+        laid_out_on_meta(model)
     if strategy.mixed_precision.param_dtype is not None:
         trace_in_dtype(model, strategy.mixed_precision.param_dtype)
     record_holdings(model, strategy)

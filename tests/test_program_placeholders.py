@@ -102,3 +102,28 @@ def test_to_empty_gives_every_parameter_of_a_meta_model_memory_and_keeps_ties(op
     assert not any(p.is_meta for p in model.parameters()), [n for n, p in model.named_parameters() if p.is_meta]
     assert model.second._parameters["weight"] is model.first._parameters["weight"]
     assert list(model._parameters) == ["scale"]
+
+
+def test_a_model_still_on_the_meta_device_is_refused_by_name_until_to_empty():
+    """As FSDP2's first forward: calling a model prepared on the meta device, eagerly or
+    compiled, is a `PiperError` naming the parameters still there, not Dynamo's device mismatch
+    deep in the trace; `to_empty` removes the check, and the compiled model then trains."""
+    with torch.device("meta"):
+        model = _HoldsItsOwn()
+    piper_fx.prepare(model, {"codegen": "eager"})
+    compiled = torch.compile(model, backend="piper", options={"codegen": "eager"}, fullgraph=True)
+    x = torch.ones(2, 3)
+    for call in (model, compiled):
+        with pytest.raises(piper_fx.PiperError, match=r"materialized from the meta device before training, but "
+                                                      r"these are still on it: \['scale', 'first.weight', "
+                                                      r"'first.bias', 'second.bias'\]\. Call model.to_empty"):
+            call(x)
+    model.to_empty(device="cpu")
+    assert not model._forward_pre_hooks  # nothing of piper_fx's left for Dynamo to trace
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.5)
+    loss = compiled(x)
+    loss.backward()
+    assert loss.item() == 6 * (3 * (3 * 0.5 + 0.5) * 0.5 + 0.5) * 0.5 == model(x).item()
+    assert model.scale.grad is not None

@@ -754,7 +754,7 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     dp = mesh.get("dp", world // mesh.get("pp", 1))
     compiled = LossOf(model) if mesh.get("pp", 1) > 1 else None
     piper_fx.prepare(compiled or model, options)
-    if on_meta:  # the module prepare laid out, which keeps tied parameters tied (`keep_tied_through_apply`)
+    if on_meta:  # the module prepare laid out, which keeps tied parameters tied (`laid_out_on_meta`)
         materialize_as(compiled or model, LossOf(source) if compiled else source)
     opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
     def loss_of(x, y, attention_mask=None):

@@ -242,15 +242,43 @@ def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse:
     for (module, name), *others in tied:
         for other, other_name in others:
             other._parameters[other_name] = module._parameters[name]
+    if _refuse_parameters_on_meta in self._forward_pre_hooks.values() and not any(p.is_meta for p in self.parameters()):
+        _stop_refusing_parameters_on_meta(self)  # materialized (`laid_out_on_meta`)
     return converted
 
 
-def keep_tied_through_apply(model: nn.Module) -> None:
-    """Have `model.to_empty(...)` (any `_apply`) keep its tied parameters tied, as it keeps
-    those `prepare` laid out (`dtensor_params.materialize`) and FSDP2 its own: `prepare` asks it of a model
-    built on the meta device, whose plain parameters (all of them at dp = 1) PyTorch would
-    make anew, one per module holding each."""
+def laid_out_on_meta(model: nn.Module) -> None:
+    """For a model `prepare` laid out on the meta device (built under `torch.device("meta")`, as
+    for FSDP2): have `model.to_empty(...)` (any `_apply`) keep its tied parameters tied, as it
+    keeps those `prepare` laid out (`dtensor_params.materialize`) and FSDP2 its own (PyTorch
+    would make each plain meta parameter, all of them at dp = 1, anew in every module holding
+    it); and until no parameter is left on the meta device, have a call of the model raise a
+    `PiperError` naming them, as FSDP2's first forward does, where Dynamo's fake tensors would
+    stop at the first op mixing devices ("Tensor device mismatch"). Materializing the model
+    removes that check (`_apply`), so the compiled model traces no hook of piper_fx's."""
     _own_class(model)
+    model.register_forward_pre_hook(_refuse_parameters_on_meta)
+
+
+@torch.compiler.disable
+def _refuse_parameters_on_meta(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a model `laid_out_on_meta`, run outside Dynamo: a `PiperError` naming
+    the parameters still on the meta device; once none is, it removes itself."""
+    on_meta = [name for name, p in module.named_parameters() if p.is_meta]
+    if on_meta:
+        named = f"{on_meta[:8]}" + (f" and {len(on_meta) - 8} more" if len(on_meta) > 8 else "")
+        raise PiperError(
+            f"piper_fx: the model's parameters should be materialized from the meta device before "
+            f"training, but these are still on it: {named}. Call model.to_empty(device=...) after "
+            "piper_fx.prepare, then initialise them (reset_parameters(), or load a state dict with "
+            "torch.distributed.checkpoint.state_dict.set_model_state_dict)")
+    _stop_refusing_parameters_on_meta(module)
+
+
+def _stop_refusing_parameters_on_meta(module: nn.Module) -> None:
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if hook is _refuse_parameters_on_meta:
+            del module._forward_pre_hooks[key]
 
 
 def _getstate(self: nn.Module) -> dict:
