@@ -62,6 +62,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import piper_fx  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from piper_fx.runtime.memory import peak_allocated_bytes, storage_bytes  # noqa: E402
+from piper_fx.sharding.holdings import is_stored  # noqa: E402
 
 CFG = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64)
 WARMUP = 3
@@ -92,8 +93,9 @@ class Built(NamedTuple):
 
 
 def _resident_bytes(params, opt) -> int:
-    """Bytes of the distinct storages of parameters, gradients and optimizer state."""
-    tensors = [p for p in params] + [p.grad for p in params if p.grad is not None]
+    """Bytes of the distinct storages of parameters, gradients and optimizer state (none of a
+    pipeline stage's parameters this rank released)."""
+    tensors = [p for p in params if is_stored(p)] + [p.grad for p in params if p.grad is not None]
     tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     return storage_bytes(tensors)
 

@@ -50,6 +50,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import piper_fx  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 from piper_fx.runtime.memory import peak_allocated_bytes, storage_bytes  # noqa: E402
+from piper_fx.sharding.holdings import is_stored  # noqa: E402
 
 WORLD = 4
 MICROBATCHES = 4
@@ -209,7 +210,7 @@ def measure(make, cfg: GPTConfig, strategy: str, rows: int, rank: int) -> int:
     for i in range(2):  # compile, and make the optimizer's state
         train(i)
     state = getattr(opt, "optim", opt).state  # ZeroRedundancyOptimizer: its local optimizer's, this rank's shard
-    held = storage_bytes([*params, *(t for s in state.values() for t in s.values())])
+    held = storage_bytes([*(p for p in params if is_stored(p)), *(t for s in state.values() for t in s.values())])
     # The worst of a few steps: when a collective's buffers come and go varies from step to step.
     peak = max(peak_allocated_bytes(lambda: train(i))[1] for i in range(2, 2 + MEASURED_STEPS))
     dist.barrier()

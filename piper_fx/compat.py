@@ -8,6 +8,7 @@ through 2.13 (the CPU venv's pin).
 from __future__ import annotations
 
 import functools
+import mmap
 import warnings
 import weakref
 from typing import Callable
@@ -180,6 +181,23 @@ def accumulates_in_this_backward(node: torch.autograd.graph.Node | None) -> bool
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:
         return False
+
+
+def read_as_zeros(storage: torch.UntypedStorage) -> None:
+    """Free a CPU `storage`'s memory, keeping its size and every view of it: its data becomes
+    a private anonymous mapping of its bytes, which read as zeros from the kernel's zero page
+    (nothing resident) and take memory only where written. `resize_(0)` frees as much, but
+    a read of a view then dereferences a null pointer (a crash, not an error), and is what a
+    torch without the swap below gets. Private: `UntypedStorage._swap_data_ptr_` (the data and
+    size of two storages exchanged in place); no public form."""
+    nbytes = storage.nbytes()
+    if nbytes == 0:
+        return
+    if not hasattr(storage, "_swap_data_ptr_"):
+        storage.resize_(0)
+        return
+    zeros = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+    storage._swap_data_ptr_(zeros.untyped_storage())  # the old memory goes with `zeros`
 
 
 def has_grad_hooks(tensor: torch.Tensor) -> bool:

@@ -8,12 +8,15 @@ import torch
 import piper_fx
 from examples.gpt import GPT, GPTConfig
 from piper_fx.runtime.memory import peak_allocated_bytes
+from piper_fx.sharding.holdings import is_stored
 from training import global_batch, local
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages of these tensors' local pieces (a released one holds none)."""
-    storages = {local(t).untyped_storage()._cdata: local(t).untyped_storage().nbytes() for t in tensors}
+    """Bytes of the distinct storages of these tensors' local pieces (a released one holds none:
+    on a CPU its storage reads as zeros from pages it does not hold)."""
+    storages = {local(t).untyped_storage()._cdata: local(t).untyped_storage().nbytes() for t in tensors
+                if is_stored(t)}
     return sum(storages.values())
 
 # Big enough that activations, not the runtime's small tensors, make up the step's memory.

@@ -1,5 +1,8 @@
 """Pipelines (GPipe, 1F1B, interleaved 1F1B), alone and with DP/ZeRO, equal single-process training."""
 
+import os
+import re
+
 import torch
 
 from piper_fx.ir import memory_order
@@ -16,6 +19,8 @@ def _check(results, configs):
             assert max(run["loss_errors"]) < RTOL, (rank, config, run["loss_errors"])
             worst = max(run["param_errors"], key=run["param_errors"].get)
             assert run["param_errors"][worst] < RTOL, (rank, config, worst, run["param_errors"][worst])
+            # Every parameter reads: another stage's, released, as zeros (it crashed the process).
+            assert run["released_read_as_zeros"] and run["stored_read_as_values"], (rank, config)
 
 
 def _pp(pp, schedule, microbatches, **pipeline):
@@ -150,3 +155,40 @@ def test_memory_order_names_the_layout_a_value_travels_in():
     assert order == (0, 2, 1, 3) and transposed.permute(order).is_contiguous()
     assert memory_order((4, 1, 3), (3, 99, 1)) is None  # a size-1 dim's stride does not matter
     assert memory_order((4, 3), (1, 8)) is None  # not dense: travels as a contiguous copy
+
+
+def _resident_kb_of_mapping(address: int) -> int:
+    """The resident kB of the process's memory mapping holding `address` (`/proc/self/smaps`)."""
+    with open("/proc/self/smaps") as smaps:
+        mappings = re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", smaps.read())
+    for mapping in mappings:
+        start, end = (int(bound, 16) for bound in mapping.split()[0].split("-"))
+        if start <= address < end:
+            return int(re.search(r"^Rss:\s+(\d+) kB", mapping, re.MULTILINE).group(1))
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_released_parameter_holds_no_memory_and_reads_as_zeros():
+    """What compiling a pipeline does to each parameter of a stage this rank does not run
+    (`holdings.release`), in one process: the process holds its memory no more, and it and
+    every view of its storage (what the program reads of it) keep their shapes and read as
+    zeros, from memory that stays unheld (a freed storage crashed the process on a read); the
+    optimizer leaves it alone."""
+    from piper_fx.sharding.holdings import is_stored, release
+
+    def resident_mb() -> float:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    parameter = torch.nn.Parameter(torch.randn(64, 2**18))  # 64 MiB
+    view = parameter.detach()[1:]
+    opt = torch.optim.SGD([parameter], lr=1.0)
+    held = resident_mb()
+    release(parameter)
+    assert held - resident_mb() >= 60, (held, resident_mb())
+    assert not is_stored(parameter) and parameter.shape == (64, 2**18) and view.shape == (63, 2**18)
+    assert not parameter.any() and not view.any() and parameter.sum().item() == 0
+    assert _resident_kb_of_mapping(parameter.data_ptr()) == 0  # read, and still none of it held
+    parameter.grad = torch.ones_like(parameter)
+    opt.step()
+    assert parameter.grad is None and not opt.state.get(parameter) and not parameter.any()

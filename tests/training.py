@@ -15,6 +15,7 @@ import piper_fx
 from examples.gpt import GPT, GPTConfig
 from piper_fx.compat import local_tensor
 from piper_fx.sharding.dtensor_params import stood_for
+from piper_fx.sharding.holdings import is_stored
 
 # Odd sizes on purpose: vocab 37 and block 9 rows do not divide by 2 or 4 ranks.
 SMALL = dict(vocab_size=37, block_size=9, n_layer=2, n_head=2, n_embd=16)
@@ -180,8 +181,12 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
                              if isinstance(value, torch.Tensor) and value.dim() > 0},
         "reference_state_bytes": optimizer_state_bytes(ref_opt),
         "local_param_bytes": local_bytes(model.parameters()),
-        # Bytes of parameter storage this rank keeps (a pipeline rank: its stages' parameters only).
-        "stored_param_bytes": sum(local(p).untyped_storage().nbytes() for p in model.parameters()),
+        # Bytes of parameter storage this rank keeps (a pipeline rank: its stages' parameters only);
+        # a released one reads as zeros, from pages it does not hold.
+        "stored_param_bytes": sum(local(p).untyped_storage().nbytes() for p in model.parameters() if is_stored(p)),
+        "released_read_as_zeros": all(not local(p.detach()).any() for p in model.parameters() if not is_stored(p)),
+        "stored_read_as_values": all(local(p.detach()).any() for p in model.parameters()
+                                     if is_stored(p) and p.dim() > 1),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
     }
 

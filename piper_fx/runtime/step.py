@@ -34,6 +34,7 @@ from ..errors import PiperError
 from ..ir import HELD_ROLES, GraphInput, GraphOutput, InputRole, OutputRole
 from ..philox import StepRandomness
 from ..sharding.dtensor_params import accumulate_grad, parameter_grad, program_tensor, stood_for
+from ..sharding.holdings import is_stored
 from . import failures
 from .executor import ProgramExecutor, StepRun
 from .memory import (optimizer_state_bytes, optimizer_state_version, record_optimizer_state, storage_bytes,
@@ -261,7 +262,7 @@ class CompiledStep:
         key = (optimizer_state_version(), self._reads.version)
         if key != self._held_key:
             self._held_key = key
-            self._held_bytes = {"parameters": storage_bytes(tensors),
+            self._held_bytes = {"parameters": storage_bytes(t for p, t in zip(parameters, tensors) if is_stored(p)),
                                 "optimizer_state": optimizer_state_bytes(parameters)}
         return {**self._held_bytes, "gradients": storage_bytes([p.grad for p in parameters])}
 

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..compat import resolve_process_group
+from ..compat import read_as_zeros, resolve_process_group
 from .dtensor_params import parameter_records
 from .row_shard import sharded_parameter_info
 
@@ -92,14 +92,19 @@ def record_pipeline_trainer(parameter: torch.Tensor, pp_rank: int, pp_group_name
 def release(parameter: torch.Tensor) -> None:
     """Free the storage of a parameter this rank never reads (a pipeline stage it does not run):
     the object, its shape and its place in the optimizer stay, its values are gone (as FSDP frees
-    a sharded parameter's storage). Record it, so readers of values skip it, and from now on
-    keep it out of every optimizer step (`_skip_released`)."""
+    a sharded parameter's storage). On a CPU it then reads as zeros, holding no memory
+    (`compat.read_as_zeros`); on an accelerator its storage is emptied (`resize_(0)`, as FSDP's),
+    and a read of it is the device's fault. Record it, so readers of values skip it and memory
+    counts leave it out (`is_stored`), and from now on keep it out of every optimizer step
+    (`_skip_released`)."""
     record_holding(parameter, replace(holding_of(parameter), stored=False))
     _RELEASED[parameter] = True
     if not _OPTIMIZER_HOOK:
         _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_skip_released))
     local = Holding.local(parameter)
-    if local.device.type != "meta":
+    if local.device.type == "cpu":
+        read_as_zeros(local.untyped_storage())
+    elif local.device.type != "meta":
         local.untyped_storage().resize_(0)
 
 
