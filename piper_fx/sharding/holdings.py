@@ -5,7 +5,7 @@ A parameter of a piper_fx model is held by a rank in one of three ways: whole
 `Shard(0)` DTensor parameter, `dtensor_params`: ZeRO's dp group, or the ep
 group for a block of experts), and, under a pipeline, not at all: the
 parameters of stages a rank does not run keep their objects (the model is
-whole on every rank) but not their storage, released when the step is compiled. `prepare` records a `Holding`
+whole on every rank) but not their memory, released when the step is compiled. `prepare` records a `Holding`
 for every parameter it lays out and the backend completes it when it compiles
 (replicas of a model compiled without `prepare`, the pipeline rank that
 trains each parameter). Kept here, keyed by the parameter's identity for as
