@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import plan_cache
-from .capture import capture, keep_input_sources
+from .capture import capture, keep_input_sources, symbolic_inputs
 from .codegen import compile_program, fewest_regions, prepare, warm_up
 from .compat import dynamo_trace_seconds
 from .compile_stats import CompileStats, record
@@ -28,7 +28,7 @@ from .ir import HELD_ROLES, InputRole, TrainingDAG
 from .options import Strategy, parse_options_on_all_ranks
 from .passes import dump_path, run_passes
 from .passes.functionalize_random import step_randomness
-from .philox import attach_stream
+from .philox import attach_stream, stream_of
 from .plan_cache import Plan, plan_of
 from .prepare import check_prepared
 from .runtime.executor import ProgramExecutor
@@ -208,7 +208,8 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     device = check_one_device(arguments)
     dump = DebugDump(strategy.debug_dir, strategy.rank)  # named by Dynamo's compile id, known only now
     warming = warm_up(strategy.codegen, device)  # in the background, while Dynamo ends and the step is planned
-    return DeferredStep(lambda: _compile(gm, example_inputs, arguments, strategy, device, dump, warming, stats))
+    sized = symbolic_inputs(gm, example_inputs)
+    return DeferredStep(_StepBuilder(gm, example_inputs, strategy, device, dump, warming, stats, sized), sized)
 
 
 class DeferredStep:
@@ -224,23 +225,72 @@ class DeferredStep:
     has compiled its frame, as it did the backend, so the ranks' collectives while planning
     keep their order, and a compile's errors are raised from the same first call.
 
+    A frame whose sizes Dynamo made symbolic (`sized`: the batch's, which `prepare` marks
+    dynamic under a pipeline and Dynamo makes so once a call changed it, a last smaller batch
+    say) serves every batch shape, where a step runs one: a call of shapes no step was compiled
+    for compiles one, kept for the next call of those shapes (as Dynamo keeps a static frame's
+    code per shape). All of them draw from the model's one random stream (`philox.stream_of`).
+
     Slotted: Dynamo wraps the step in a function that copies the step's `__dict__` into its
     own (`functools.wraps`), which would keep the build, and with it Dynamo's graph and its
     fake values, for the life of the compiled frame."""
 
-    __slots__ = ("_build", "step")
+    __slots__ = ("_build", "_sized", "_steps", "step")
 
-    def __init__(self, build):
+    def __init__(self, build: Callable[[tuple], CompiledStep], sized: tuple[int, ...]):
         self._build = build
+        self._sized = sized
+        self._steps: dict[tuple, CompiledStep] = {}  # with `sized`: by the sizes of the call they were compiled for
         self.step: CompiledStep | None = None
 
     def __call__(self, *args):
-        if self.step is None:
-            self.step, self._build = self._build(), None
-        return self.step(*args)
+        if not self._sized:
+            if self.step is None:
+                self.step, self._build = self._build(args), None
+            return self.step(*args)
+        key = tuple(args[i] if isinstance(args[i], int) else tuple(args[i].shape) for i in self._sized)
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = self._build(args)
+        self.step = step
+        return step(*args)
 
 
-def _compile(gm: fx.GraphModule, example_inputs: list, arguments: list, strategy: Strategy,
+class _StepBuilder:
+    """Compiles a frame's steps (`_compile`): the first for the call Dynamo compiled the frame
+    for, with what the backend made for it (Dynamo's examples, the compile's stats, the code
+    generator's warm-up, the dump named by the frame), then each later one (another batch
+    shape) for its own call, whose arguments are its examples, into a dump beside the first's.
+    Keeps Dynamo's graph for those, not the examples, which are the model's parameters: the
+    compiled frame keeps nothing of the model alive."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, strategy: Strategy, device: torch.device | None,
+                 dump: DebugDump, warming, stats: CompileStats, sized: tuple[int, ...]):
+        self.gm, self.strategy, self.device, self.dump, self.sized = gm, strategy, device, dump, sized
+        self.first: tuple | None = (example_inputs, warming, stats)
+
+    def __call__(self, args: tuple) -> CompiledStep:
+        if self.first is not None:
+            (example_inputs, warming, stats), self.first = self.first, None
+            return _compile(self.gm, _at_call_sizes(example_inputs, args, self.sized), self.strategy, self.device,
+                            self.dump, warming, stats)
+        sizes = "_".join(str(args[i]) if isinstance(args[i], int) else "x".join(map(str, args[i].shape))
+                         for i in self.sized)
+        return _compile(self.gm, list(args), self.strategy, self.device, self.dump.beside(f"sizes_{sizes}"),
+                        warm_up(self.strategy.codegen, self.device), CompileStats())
+
+
+def _at_call_sizes(example_inputs: list, args: tuple, sized: tuple[int, ...]) -> list:
+    """`example_inputs` with each of the `sized` ones (`capture.symbolic_inputs`) replaced by
+    the call's argument: a size input by the call's size, a batch by the call's batch, so the
+    step is planned for the shapes it is called with."""
+    examples = list(example_inputs)
+    for index in sized:
+        examples[index] = args[index]
+    return examples
+
+
+def _compile(gm: fx.GraphModule, example_inputs: list, strategy: Strategy,
              device: torch.device | None, dump: DebugDump, warming, stats: CompileStats) -> CompiledStep:
     """The step, planned and compiled. Torch's random state (the CPU's generator, and the
     model's device's) is put back after, as Dynamo puts it back around a backend: a compile
@@ -250,11 +300,15 @@ def _compile(gm: fx.GraphModule, example_inputs: list, arguments: list, strategy
     random_state_kept = torch.random.fork_rng(devices=[device] if accelerator else [],
                                               device_type=device.type if accelerator else None)
     with random_state_kept, _collecting_only_new_objects() as frozen, stats.collections(frozen):
-        return _compile_step(gm, example_inputs, arguments, strategy, device, dump, warming, stats)
+        return _compile_step(gm, example_inputs, strategy, device, dump, warming, stats)
 
 
-def _compile_step(gm: fx.GraphModule, example_inputs: list, arguments: list, strategy: Strategy,
-                  device: torch.device | None, dump: DebugDump, warming, stats: CompileStats) -> CompiledStep:
+def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, device: torch.device | None,
+                  dump: DebugDump, warming, stats: CompileStats) -> CompiledStep:
+    """The step planned and compiled for `example_inputs` (static where the call's sizes
+    replaced Dynamo's symbols), its random ops drawing from the model's stream: the one an
+    earlier compile of the model started (`philox.stream_of`), or a new one."""
+    arguments = [stood_for(t) for t in example_inputs]
     placeholders = [i for i, (t, argument) in enumerate(zip(example_inputs, arguments)) if argument is not t]
     planned = planned_step(gm, example_inputs, strategy, dump, stats)
     # Replicated parameters and buffers the model was compiled with, without
@@ -272,10 +326,10 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, arguments: list, str
     dump.write("compile_stats.txt", stats.render())
     record(stats)
 
-    randomness = step_randomness(planned.randomness, strategy)
+    parameters = [arguments[i.arg_index] for i in planned.inputs if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)]
+    randomness = step_randomness(planned.randomness, strategy, stream_of(parameters))
     if randomness is not None:  # the model's dropout stream, which checkpoints save and restore
-        attach_stream([arguments[i.arg_index] for i in planned.inputs
-                       if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)], randomness)
+        attach_stream(parameters, randomness)
     seed_shape, seed_dtype, seed_device = planned.seed or (None, None, None)
     num_user_outputs = len(gm.graph.find_nodes(op="output")[0].args[0])
     # The step checks the placements of the DTensor parameters and buffers itself, by identity:

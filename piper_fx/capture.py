@@ -78,11 +78,33 @@ def decompositions_for(strategy: Strategy) -> dict | None:
     return select_decomp_table()
 
 
+def symbolic_inputs(gm: fx.GraphModule, example_inputs: list) -> tuple[int, ...]:
+    """The indices of `gm`'s inputs whose sizes Dynamo made symbolic: its size inputs (SymInt
+    placeholders) and the tensors with a symbolic size. With a pipeline `prepare` marks the
+    batch dimension dynamic; without, Dynamo does once a call changed the batch's size."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    return tuple(i for i, (node, example) in enumerate(zip(placeholders, example_inputs))
+                 if _is_size_input(node, example) or _has_symbolic_size(node.meta.get("example_value")))
+
+
+def _has_symbolic_size(value: object) -> bool:
+    """Whether `value` (Dynamo's fake value of an input) is a tensor with a symbolic size: the
+    examples Dynamo hands its backend are the call's tensors, their sizes its hints."""
+    return isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape)
+
+
+def _is_size_input(node: fx.Node, example: object) -> bool:
+    """Whether `node` is one of Dynamo's size inputs: its example a SymInt, or the size of the
+    call a step is compiled for."""
+    return isinstance(example, torch.SymInt) or isinstance(node.meta.get("example_value"), torch.SymInt)
+
+
 def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbatches: int):
     """Make `gm` static at microbatch size; return (gm, example inputs, their original indices).
 
     With a pipeline, `prepare` marks dim 0 of the model's tensor arguments
-    dynamic, so Dynamo hands over the batch sizes as SymInt inputs. Each is
+    dynamic, so Dynamo hands over the batch sizes as SymInt inputs (given here
+    as SymInts, or as the sizes of the call the step is compiled for). Each is
     replaced by its microbatch size (the full size / microbatches) and each
     batch argument by its first microbatch, so AOTAutograd traces one
     microbatch's static graph, which serves every microbatch.
@@ -95,8 +117,8 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kept, args = [], []
     for index, (node, example) in enumerate(zip(placeholders, example_inputs)):
-        if isinstance(example, torch.SymInt):
-            size = example.node.hint
+        if _is_size_input(node, example):
+            size = example.node.hint if isinstance(example, torch.SymInt) else int(example)
             if size % microbatches:
                 raise PiperError(f"a batch of {size} does not split into {microbatches} microbatches "
                                  "(options['pipeline']['microbatches'])")
@@ -291,6 +313,7 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     each node a unit's forward runs or differentiates marked with that unit (`ops.LAYER`).
     """
     dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    sized = any(_is_size_input(node, example) for node, example in zip(dynamo_placeholders, example_inputs))
     gm, traced_inputs, arg_indices = _specialize_to_microbatch(gm, example_inputs, strategy.microbatches)
     dynamo_placeholders = [dynamo_placeholders[i] for i in arg_indices]
     _trace_mixed_precision(gm, traced_inputs, strategy.mixed_precision)
@@ -306,7 +329,7 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
             exported = aot_export_joint_with_descriptors(
                 stack, gm, tuple(traced_inputs), decompositions=decompositions_for(strategy), ignore_shape_env=True)
         except Exception as error:
-            if strategy.microbatches > 1 and not any(isinstance(t, torch.SymInt) for t in example_inputs):
+            if strategy.microbatches > 1 and not sized:
                 raise PiperError(_FIXED_BATCH) from error
             raise
         joint = exported.graph_module

@@ -47,6 +47,15 @@ class DebugDump:
     def enabled(self) -> bool:
         return self.root is not None
 
+    def beside(self, suffix: str) -> DebugDump:
+        """The dump of another compile of the same graph (a step for other batch sizes): a
+        folder beside this one, its name with `_suffix`."""
+        dump = DebugDump(None, 0)
+        if self.root is not None:
+            dump.root = self.root.with_name(f"{self.root.name}_{suffix}")
+            dump.root.mkdir(parents=True, exist_ok=True)
+        return dump
+
     def write(self, relative_path: str, text: str) -> None:
         if self.root is None:
             return

@@ -84,27 +84,33 @@ def normal(rng: torch.Tensor, op_index, *, shape, per_sample: int, dtype: torch.
 
 
 @dataclass
-class StepRandomness:
-    """What a compiled step feeds a graph's random ops, per microbatch.
-
-    `seed` is the same on every rank; the step count (`step`, the steps drawn
-    so far) makes each step draw anew; a microbatch's first sample is its index
-    in the global batch (over data-parallel replicas and microbatches), which
-    counters are offset by. `seed` and `step` are the stream's whole state:
-    what a checkpoint keeps (`stream_state`, `restore_stream`).
-    """
+class Stream:
+    """A model's random stream: its seed, the same on every rank, and the steps drawn so far
+    (each step draws anew). Its whole state: what a checkpoint keeps (`stream_state`,
+    `restore_stream`). Every step compiled for the model (one per batch shape, and a
+    recompile) draws from its one stream (`stream_of`)."""
 
     seed: int
+    step: int = 0
+
+
+@dataclass
+class StepRandomness:
+    """What a compiled step feeds a graph's random ops, per microbatch: the `stream`'s seed and
+    step, and a microbatch's first sample, its index in the global batch (over data-parallel
+    replicas and microbatches), which counters are offset by."""
+
+    stream: Stream
     samples_per_microbatch: int
     first_sample: int  # of this replica's batch: its data-parallel index * its batch size
     device: torch.device
-    step: int = 0
 
     def next_inputs(self, microbatches: int) -> list[torch.Tensor]:
         """The RNG input of each microbatch of the next step; counts the step."""
-        rows = [[self.seed & MASK32, (self.seed >> 32) & MASK32, self.step & MASK32,
+        seed, step = self.stream.seed, self.stream.step
+        rows = [[seed & MASK32, (seed >> 32) & MASK32, step & MASK32,
                  self.first_sample + m * self.samples_per_microbatch] for m in range(microbatches)]
-        self.step += 1
+        self.stream.step += 1
         return list(torch.tensor(rows, dtype=torch.int64, device=self.device).unbind())
 
 
@@ -115,26 +121,32 @@ _PENDING = parameter_records()
 
 
 def attach_stream(parameters: list[torch.Tensor], randomness: StepRandomness) -> None:
-    """Make `randomness` the stream of the model whose `parameters` its step trains, continuing
-    a stream `restore_stream` loaded for them before the step was compiled."""
+    """Make `randomness`'s stream the stream of the model whose `parameters` its step trains,
+    continuing a stream `restore_stream` loaded for them before the step was compiled."""
     pending = next((_PENDING[p] for p in parameters if p in _PENDING), None)
     if pending is not None:
-        randomness.seed, randomness.step = pending
+        randomness.stream.seed, randomness.stream.step = pending
     for p in parameters:
         _PENDING.pop(p, None)
-        _STREAMS[p] = randomness
+        _STREAMS[p] = randomness.stream
+
+
+def stream_of(parameters: list[torch.Tensor]) -> Stream | None:
+    """The stream of the model whose `parameters` a step compiled with random ops trains, if
+    one was: a later compile of the model (another batch shape, a recompile) continues it."""
+    return next((_STREAMS[p] for p in parameters if p in _STREAMS), None)
 
 
 def stream_state(parameters: list[torch.Tensor]) -> tuple[int, int] | None:
     """(seed, steps drawn) of the stream of the step training `parameters`, if it has random ops."""
-    stream = next((_STREAMS[p] for p in parameters if p in _STREAMS), None)
+    stream = stream_of(parameters)
     return (stream.seed, stream.step) if stream is not None else None
 
 
 def restore_stream(parameters: list[torch.Tensor], seed: int, step: int) -> None:
     """Continue the stream (seed, steps drawn) in the step training `parameters`: now if it is
     compiled, else when it is."""
-    stream = next((_STREAMS[p] for p in parameters if p in _STREAMS), None)
+    stream = stream_of(parameters)
     if stream is not None:
         stream.seed, stream.step = seed, step
     else:

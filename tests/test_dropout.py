@@ -11,19 +11,22 @@ import torch
 import torch.distributed as dist
 
 import piper_fx
-from piper_fx.philox import StepRandomness, philox4x32, uniform
+from piper_fx.philox import StepRandomness, Stream, philox4x32, stream_state, uniform
 
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 1e-5
 P = 0.1
 STEPS = 3
 BATCH = 8  # global batch rows
+SIZES = [8, 4, 8]  # global batch rows, step by step, where the batch changes size
 
 
 def dropout_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
     """Train the dropout GPT with SGD for each config ({"options", "p"}) on this rank's share
-    of the global batch: the global loss of each step and (rank 0) the final full parameters.
-    With "repeat", the same batch and parameters twice (no optimizer step): the two losses."""
+    of the global batch: the global loss of each step, (rank 0) the final full parameters, and
+    how many steps the model's random stream drew. With "repeat", the same batch and parameters
+    twice (no optimizer step): the two losses. With "sizes", step i's global batch has that many
+    rows (each new size compiles a step of its own)."""
     from models import DropoutGPT, DropoutMLP, batch
     from training import global_batch, make_optimizer
 
@@ -41,8 +44,9 @@ def dropout_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
         mesh = options.get("mesh", {})
         dp = mesh.get("dp", world // mesh.get("pp", 1))
         losses = []
-        for i in range(STEPS if not config.get("repeat") else 2):
-            x, y = batch_of(0 if config.get("repeat") else i, BATCH)
+        sizes = config.get("sizes", [BATCH] * (STEPS if not config.get("repeat") else 2))
+        for i, rows in enumerate(sizes):
+            x, y = batch_of(0 if config.get("repeat") else i, rows)
             loss = step(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
             loss.backward()
             if not config.get("repeat"):
@@ -54,7 +58,8 @@ def dropout_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
                 mean /= world
             losses.append(mean.item())
         state = {name: t.numpy().copy() for name, t in piper_fx.full_state_dict(model).items()}
-        results.append({"losses": losses, "state": state if rank == 0 else None})
+        results.append({"losses": losses, "state": state if rank == 0 else None,
+                        "stream_steps": (stream_state(list(model.parameters())) or (None, 0))[1]})
     return results
 
 
@@ -77,13 +82,14 @@ def _assert_equal(run: dict, reference: dict, label: str) -> None:
 
 
 def test_dropout_matches_single_device_training(rank_pools):
-    reference, no_dropout, microbatches, repeated, mlp, mlp_inductor = _values(rank_pools(1), 1, [
+    reference, no_dropout, microbatches, repeated, mlp, mlp_inductor, resized = _values(rank_pools(1), 1, [
         {"options": {}},
         {"options": {}, "p": 0.0},
         {"options": {"pipeline": {"microbatches": 4}}},
         {"options": {}, "repeat": True},
         {"options": {}, "model": "mlp"},
         {"options": {"codegen": "inductor", "pipeline": {"microbatches": 2}}, "model": "mlp"},
+        {"options": {}, "sizes": SIZES},
     ])
     # Dropout acts, and each step draws new masks (the same batch and parameters, another loss).
     assert all(abs(a - b) > 1e-4 for a, b in zip(reference["losses"], no_dropout["losses"]))
@@ -94,12 +100,17 @@ def test_dropout_matches_single_device_training(rank_pools):
     # and draws the masks eager ATen does (a small model: Inductor compiles slowly on 2 cores).
     _assert_equal(mlp_inductor, mlp, "MLP, world 1, inductor, 2 microbatches")
 
-    zero1, one_f_one_b = _values(rank_pools(2), 2, [
+    zero1, one_f_one_b, one_f_one_b_resized = _values(rank_pools(2), 2, [
         {"options": {"mesh": {"dp": 2}, "zero": 1}},
         {"options": {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 4}}},
+        {"options": {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}, "sizes": SIZES},
     ])
     _assert_equal(zero1, reference, "dp2 ZeRO-1")
     _assert_equal(one_f_one_b, reference, "pp2 1F1B, 4 microbatches")
+    # A step compiled for each batch size, all drawing from the model's one stream: each step
+    # draws anew (a new stream per compile drew step 0's masks again).
+    assert resized["stream_steps"] == one_f_one_b_resized["stream_steps"] == len(SIZES), (resized, one_f_one_b_resized)
+    _assert_equal(one_f_one_b_resized, resized, "pp2 1F1B, 2 microbatches, batches of 8, 4 and 8 rows")
 
 
 def test_dropout_matches_under_pipeline_and_data_parallel_together(rank_pools):
@@ -124,10 +135,10 @@ def test_philox_known_answers():
 def test_uniform_values_depend_only_on_the_global_sample():
     """A microbatch's values are the rows of the whole batch's that its samples have; they are
     uniform on [0, 1) and differ between ops and steps."""
-    stream = StepRandomness(seed=12345, samples_per_microbatch=8, first_sample=0, device=torch.device("cpu"), step=3)
+    stream = StepRandomness(Stream(12345, step=3), samples_per_microbatch=8, first_sample=0, device=torch.device("cpu"))
     (whole,) = stream.next_inputs(microbatches=1)
     full = uniform(whole, torch.tensor(2), shape=(8, 5, 7), per_sample=35, dtype=torch.float32)
-    split = StepRandomness(seed=12345, samples_per_microbatch=2, first_sample=0, device=torch.device("cpu"), step=3)
+    split = StepRandomness(Stream(12345, step=3), samples_per_microbatch=2, first_sample=0, device=torch.device("cpu"))
     parts = [uniform(rng, torch.tensor(2), shape=(2, 5, 7), per_sample=35, dtype=torch.float32)
              for rng in split.next_inputs(microbatches=4)]
     assert torch.equal(torch.cat(parts), full)

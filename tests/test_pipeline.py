@@ -142,10 +142,11 @@ def test_bad_pipeline_setups_are_precise_errors():
         assert "PiperError" in errors["batch"] and "split into 2 microbatches" in errors["batch"]
 
 
-def test_another_batch_size_than_compiled_is_a_clear_error():
+def test_a_batch_that_does_not_split_into_the_microbatches_is_a_clear_error():
+    """Another batch size compiles a step of its own (above), unless the batch does not split."""
     from training import batch_shape_change_worker
     for message in run_ranks(batch_shape_change_worker, 2, deadline_s=120):
-        assert "has shape (6, 9), but this step was compiled for (4, 9)" in message
+        assert "a batch of 5 does not split into 2 microbatches (options['pipeline']['microbatches'])" in message
 
 
 def test_memory_order_names_the_layout_a_value_travels_in():
@@ -155,6 +156,16 @@ def test_memory_order_names_the_layout_a_value_travels_in():
     assert order == (0, 2, 1, 3) and transposed.permute(order).is_contiguous()
     assert memory_order((4, 1, 3), (3, 99, 1)) is None  # a size-1 dim's stride does not matter
     assert memory_order((4, 3), (1, 8)) is None  # not dense: travels as a contiguous copy
+
+
+def test_a_batch_of_another_size_compiles_a_step_for_it_and_training_goes_on():
+    """A smaller batch (an epoch's last), then full ones again, as DDP and FSDP2 train them: the
+    frame Dynamo makes dynamic in the batch's size (at once under a pipeline, whose batch
+    `prepare` marks dynamic) compiles a step per batch shape, each trained like one process."""
+    sizes = [4, 4, 2, 4, 2, 6]  # rows a replica, step by step
+    configs = [{"options": {"zero": zero}, "per_rank_batches": sizes} for zero in (0, 3)]
+    configs.append({"options": _pp(2, "1f1b", 2), "pp_regions": True, "per_rank_batches": sizes})
+    _check(run_ranks(pipeline_worker, 2, configs, deadline_s=600), configs)
 
 
 def _resident_kb_of_mapping(address: int) -> int:

@@ -41,7 +41,7 @@ from ..errors import PiperError
 from ..ir import GraphInput, InputRole, TrainingDAG, add_placeholder
 from ..ops import is_attention
 from ..options import Strategy
-from ..philox import RNG_WORDS, StepRandomness, draw_seed, normal, uniform
+from ..philox import RNG_WORDS, StepRandomness, Stream, draw_seed, normal, uniform
 
 aten = torch.ops.aten
 UNIFORM = {aten.rand.default, aten.rand_like.default}
@@ -186,10 +186,13 @@ def random_input(dag: TrainingDAG) -> tuple[torch.device, int] | None:
     return dag.placeholders()[rng.name].meta["val"].device, samples_per_microbatch(dag)
 
 
-def step_randomness(random: tuple[torch.device, int] | None, strategy: Strategy) -> StepRandomness | None:
+def step_randomness(random: tuple[torch.device, int] | None, strategy: Strategy,
+                    stream: Stream | None = None) -> StepRandomness | None:
     """What the compiled step feeds the `InputRole.RNG` input (`random_input`), if the graph
-    has one. Draws the seed (collective over every rank: call it on all of them)."""
+    has one, drawing from `stream` (the model's, an earlier compile's), or else from a new
+    stream, whose seed it draws (collective over every rank: call it on all of them)."""
     if random is None:
         return None
     device, samples = random
-    return StepRandomness(draw_seed(device), samples, strategy.dp_index * samples * strategy.microbatches, device)
+    return StepRandomness(stream or Stream(draw_seed(device)), samples,
+                          strategy.dp_index * samples * strategy.microbatches, device)

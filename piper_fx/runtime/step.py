@@ -233,8 +233,8 @@ class CompiledStep:
                                      f"compiled for {dtype}: convert it (.to({dtype}))")
             if tuple(arg.shape) != shape:
                 raise PiperError(f"compiled argument {index} has shape {tuple(arg.shape)}, but this step "
-                                 f"was compiled for {shape}: piper_fx compiles fixed batch shapes (compile "
-                                 "again, e.g. a new torch.compile, for another shape)")
+                                 f"was compiled for {shape} (a step runs the shapes it was compiled for; the "
+                                 "compiled model compiles a step for each batch shape Dynamo traced symbolic)")
         for position, (index, name, spec) in enumerate(self.specs):
             now = getattr(args[index], "_spec", None)
             if now is spec:
