@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -212,6 +213,11 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     return DeferredStep(_StepBuilder(gm, example_inputs, strategy, device, dump, warming, stats, sized), sized)
 
 
+# How many batch shapes a frame compiles steps for before each new one warns (Dynamo's default
+# `recompile_limit`, past which it stops compiling a frame anew).
+MANY_SHAPES = 8
+
+
 class DeferredStep:
     """What Dynamo calls for the compiled frame: on the first call, plans and compiles the step
     (`_compile`), then runs it; `step` is the `CompiledStep` from then on.
@@ -251,6 +257,10 @@ class DeferredStep:
         key = tuple(args[i] if isinstance(args[i], int) else tuple(args[i].shape) for i in self._sized)
         step = self._steps.get(key)
         if step is None:
+            if len(self._steps) == MANY_SHAPES:
+                warnings.warn(f"piper_fx: this compiled model has compiled a step for each of {MANY_SHAPES} batch "
+                              f"shapes, and compiles one for each new shape ({key}): pad batches to a few fixed "
+                              "shapes", stacklevel=2)
             step = self._steps[key] = self._build(args)
         self.step = step
         return step(*args)

@@ -229,3 +229,25 @@ def test_model_and_batch_on_different_devices_is_refused_when_compiling():
     with pytest.raises(PiperError, match=r"compiled argument \d+ is on device cpu, but the model's parameters "
                                          r"are on meta.*model.to_empty\(device=\.\.\.\) after piper_fx.prepare"):
         torch.compile(model, backend="piper", options=EAGER)(torch.randn(2, 3))
+
+
+def test_a_frame_dynamic_in_the_batch_compiles_a_step_per_shape_and_warns_past_many():
+    """`DeferredStep` for a frame whose batch size Dynamo made symbolic: a step is built for
+    each new shape of the call (its size input and its batch) and reused for that shape again;
+    past `MANY_SHAPES` shapes each new one warns, as Dynamo warns of recompiles."""
+    from piper_fx.backend import MANY_SHAPES, DeferredStep
+
+    built = []
+
+    def build(args):
+        built.append(args[0])
+        return lambda *call: (args[0], call[0])  # the step: the size it was built for, and the call's
+
+    deferred = DeferredStep(build, sized=(0, 1))
+    sizes = [4, 4, 2, 4, *range(5, 5 + MANY_SHAPES - 2)]  # MANY_SHAPES shapes, 4 of them again
+    for size in sizes:
+        assert deferred(size, torch.zeros(size, 3)) == (size, size)
+    assert built == list(dict.fromkeys(sizes))
+    with pytest.warns(UserWarning, match=rf"compiled a step for each of {MANY_SHAPES} batch shapes"):
+        deferred(99, torch.zeros(99, 3))
+    assert deferred(2, torch.zeros(2, 3)) == (2, 2) and built[-1] == 99 and len(built) == MANY_SHAPES + 1
