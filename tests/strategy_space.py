@@ -36,6 +36,7 @@ class Case:
     checkpointing: str = "none"  # `activation_checkpointing`'s mode: never changes what training computes
     optimizer: str = "adamw_eps"  # `training.make_optimizer`'s names: "sgd", "adamw_eps" (AdamW; see there)
     on_meta: bool = False  # the model built on the meta device, materialized after `prepare` (`to_empty`)
+    resized: bool = False  # the second of the 3 steps' batches twice the others' rows (a step compiled for each)
 
     @property
     def world(self) -> int:
@@ -71,7 +72,8 @@ class Case:
         schedule = f"{self.schedule}(m={self.microbatches},v={self.stages_per_rank})" if self.schedule else "no-pp"
         return (f"{self.model} pp{self.pp} dp{self.dp} ep{self.ep} zero{self.zero} {schedule} "
                 f"bucket={self.bucket_mb} overlap={self.overlap} prefetch={self.prefetch} {self.codegen} "
-                f"ac={self.checkpointing} {self.optimizer}{' on-meta' if self.on_meta else ''}")
+                f"ac={self.checkpointing} {self.optimizer}{' on-meta' if self.on_meta else ''}"
+                f"{' resized' if self.resized else ''}")
 
 
 def expected_errors(case: Case) -> set[str]:
@@ -125,7 +127,8 @@ def cases(draw) -> Case:
                 microbatches=microbatches, stages_per_rank=stages_per_rank,
                 bucket_mb=draw(st.sampled_from((25.0, 0.001))), overlap=draw(st.booleans()),
                 prefetch=draw(st.sampled_from((0, 1, 2))), optimizer=draw(st.sampled_from(("sgd", "adamw_eps"))),
-                checkpointing=draw(st.sampled_from(("none", "full", "selective"))), on_meta=draw(st.booleans()))
+                checkpointing=draw(st.sampled_from(("none", "full", "selective"))), on_meta=draw(st.booleans()),
+                resized=draw(st.booleans()))
 
 
 def train_case(rank: int, world: int, case: Case) -> dict:
@@ -140,8 +143,10 @@ def train_case(rank: int, world: int, case: Case) -> dict:
         model = {"n_layer": stages, "tied": True, "pp_regions": case.pp > 1,
                  "experts": EXPERTS if case.model == "moe" else 0}
     try:
-        result = train_and_compare(rank, world, case.options(), case.optimizer, steps=3,
-                                   per_rank_batch=case.num_microbatches(), on_meta=case.on_meta, **model)
+        rows = case.num_microbatches()
+        result = train_and_compare(rank, world, case.options(), case.optimizer, steps=3, per_rank_batch=rows,
+                                   per_rank_batches=[rows, 2 * rows, rows] if case.resized else None,
+                                   on_meta=case.on_meta, **model)
     except PiperConfigError as e:
         return {"config_error": (e.key, str(e))}
     return {"loss_error": max(result["loss_errors"]), "param_error": max(result["param_errors"].values()),
