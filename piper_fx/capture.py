@@ -115,16 +115,20 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
     graph.output(output)
     gm = make_graph_module(gm, graph)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    batch_sizes = _batch_size_symbols(placeholders, example_inputs)
     kept, args = [], []
     for index, (node, example) in enumerate(zip(placeholders, example_inputs)):
         if _is_size_input(node, example):
             size = example.node.hint if isinstance(example, torch.SymInt) else int(example)
-            if size % microbatches:
-                raise PiperError(f"a batch of {size} does not split into {microbatches} microbatches "
-                                 "(options['pipeline']['microbatches'])")
+            if _symbol(node.meta.get("example_value", example)) in batch_sizes:
+                if size % microbatches:
+                    raise PiperError(f"a batch of {size} does not split into {microbatches} microbatches "
+                                     "(options['pipeline']['microbatches'])")
+                size //= microbatches
+            # Another size (a sequence's length, say) is the call's, whole in every microbatch.
             for user in list(node.users):
-                user.args = fx.node.map_arg(user.args, lambda n: size // microbatches if n is node else n)
-                user.kwargs = fx.node.map_arg(user.kwargs, lambda n: size // microbatches if n is node else n)
+                user.args = fx.node.map_arg(user.args, lambda n: size if n is node else n)
+                user.kwargs = fx.node.map_arg(user.kwargs, lambda n: size if n is node else n)
             gm.graph.erase_node(node)
             continue
         if not isinstance(example, torch.Tensor):
@@ -146,6 +150,24 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
         args.append(example)
     gm.recompile()
     return gm, args, kept
+
+
+def _batch_size_symbols(placeholders: list[fx.Node], example_inputs: list) -> set:
+    """The symbols of the batch's size: dim 0 of the batch arguments (the inputs that are
+    neither parameters nor the model's buffers) where Dynamo made it symbolic."""
+    symbols = set()
+    for node, example in zip(placeholders, example_inputs):
+        value = node.meta.get("example_value")
+        if (_has_symbolic_size(value) and value.dim() > 0 and not isinstance(stood_for(example), nn.Parameter)
+                and not _fqn_from_source(node)[1]):
+            symbols.add(_symbol(value.shape[0]))
+    symbols.discard(None)
+    return symbols
+
+
+def _symbol(size: object):
+    """The expression of a symbolic size (a SymInt), or None for a plain int."""
+    return size.node.expr if isinstance(size, torch.SymInt) else None
 
 
 def _read_as_program_tensor(node: fx.Node, parameter: torch.Tensor, index: int, read_directly: bool) -> nn.Parameter:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from ranks import run_ranks
-from training import HUGGING_FACE, hf_parity_worker
+from training import HUGGING_FACE, LLAMA_SEQ, hf_parity_worker
 
 ZERO3 = {"zero": 3, "codegen": "eager"}
 ONE_F_ONE_B = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "1f1b", "microbatches": 2}}
@@ -75,10 +75,11 @@ SCHEDULE_MICROBATCHES = {"gpipe": 2, "1f1b": 2, "interleaved_1f1b": 2, "zb1p": 2
 
 
 @st.composite
-def hf_cases(draw) -> tuple[str, int, dict, bool, bool]:
+def hf_cases(draw) -> tuple[str, int, dict, bool, bool, list[int] | None]:
     """A Hugging Face model, a strategy over 2 ranks (data parallel at a ZeRO level, or a
-    pipeline schedule) or 4 (both), whether the batch is padded, and whether the model is
-    built on the meta device (then prepared, materialized and loaded)."""
+    pipeline schedule) or 4 (both), whether the batch is padded, whether the model is built on
+    the meta device (then prepared, materialized and loaded), and the steps' sequence lengths
+    where they change (a step compiled for each)."""
     codegen = "inductor" if draw(st.integers(1, 6)) == 1 else "eager"
     options = {"codegen": codegen, "bucket_mb": draw(st.sampled_from((25.0, 0.001))), "overlap": draw(st.booleans()),
                "activation_checkpointing": {"mode": draw(st.sampled_from(("none", "full", "selective")))}}
@@ -90,7 +91,9 @@ def hf_cases(draw) -> tuple[str, int, dict, bool, bool]:
         schedule = draw(st.sampled_from(sorted(SCHEDULE_MICROBATCHES)))
         options.update(mesh={"pp": 2, "dp": world // 2}, pipeline={
             "schedule": schedule, "microbatches": SCHEDULE_MICROBATCHES[schedule]})
-    return draw(st.sampled_from(sorted(HUGGING_FACE))), world, options, draw(st.booleans()), draw(st.booleans())
+    lengths = draw(st.sampled_from((None, [LLAMA_SEQ, LLAMA_SEQ - 4, LLAMA_SEQ])))
+    return (draw(st.sampled_from(sorted(HUGGING_FACE))), world, options, draw(st.booleans()), draw(st.booleans()),
+            lengths)
 
 
 @settings(max_examples=HF_EXAMPLES or 6, derandomize=not HF_EXAMPLES, database=None, deadline=None,
@@ -100,13 +103,13 @@ def hf_cases(draw) -> tuple[str, int, dict, bool, bool]:
 def test_generated_strategies_train_hugging_face_models_as_one_process_does(case):
     """Within 1e-5 of one process's losses and parameters (of each one's largest value, the
     strategy tests' bound): microbatches and ranks sum a batch's rows otherwise than one process."""
-    name, world, options, pad, on_meta = case
-    print(name, world, options, "padded" if pad else "", "on meta" if on_meta else "")
+    name, world, options, pad, on_meta, lengths = case
+    print(name, world, options, "padded" if pad else "", "on meta" if on_meta else "", lengths or "")
     # A padded batch's pairs of rows hold as many tokens each: two rows a microbatch keep the
     # microbatches' mean loss the batch's.
     rows = 2 * options["pipeline"]["microbatches"] if "pipeline" in options else 4
-    _check_parity(run_ranks(hf_parity_worker, world, name, options, 3, rows, pad, False, on_meta, deadline_s=400),
-                  param_error=1e-5)
+    _check_parity(run_ranks(hf_parity_worker, world, name, options, 3, rows, pad, False, on_meta, lengths,
+                            deadline_s=400), param_error=1e-5)
 
 
 def test_a_multi_output_op_at_a_stage_boundary_stays_with_its_parts():

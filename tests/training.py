@@ -735,7 +735,8 @@ def padded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3, rows: int = 4,
-                     pad: bool = False, checkpointed: bool = False, on_meta: bool = False) -> dict:
+                     pad: bool = False, checkpointed: bool = False, on_meta: bool = False,
+                     lengths: list[int] | None = None) -> dict:
     """A tiny Hugging Face model (`HUGGING_FACE[name]`) trained with piper_fx on this rank's
     shard of `rows` rows a replica against one copy on the global batch (SGD with momentum):
     relative errors of the losses, and the parameters (by name) whose final values are not
@@ -745,7 +746,9 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     mask. With `checkpointed`, the model recomputes its layers' activations in the backward
     (transformers' `activation_checkpointing_enable`, non-reentrant, with no key and value
     cache, whose warning that it is off would break the graph). With `on_meta`, the model is
-    built on the meta device, prepared there, and given memory and values (`materialize_as`)."""
+    built on the meta device, prepared there, and given memory and values (`materialize_as`).
+    With `lengths`, step i's sequences have that many tokens (as batches padded to their
+    longest row do; each length compiles a step of its own)."""
     torch.manual_seed(0)
     reference = HUGGING_FACE[name]()
     torch.manual_seed(0)
@@ -770,8 +773,9 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
 
     step = torch.compile(compiled or loss_of, backend="piper", options=options)
     loss_errors = []
-    for i in range(steps):
+    for i in range(len(lengths) if lengths else steps):
         batch = llama_batch(i, rows * dp)  # by default 4 rows a replica: 2 a microbatch under a pipeline
+        batch = tuple(t[:, :lengths[i]].contiguous() for t in batch) if lengths else batch
         batch = padded(*batch) if pad else batch
         loss = step(*(t.chunk(dp)[rank % dp] for t in batch))
         loss.backward()
