@@ -239,7 +239,8 @@ class DeferredStep:
 
     Slotted: Dynamo wraps the step in a function that copies the step's `__dict__` into its
     own (`functools.wraps`), which would keep the build, and with it Dynamo's graph and its
-    fake values, for the life of the compiled frame."""
+    fake values, for the life of the compiled frame. A frame with sizes keeps its builder (and
+    Dynamo's graph) for the shapes to come; one without lets go of it once its step is built."""
 
     __slots__ = ("_build", "_sized", "_steps", "step")
 
