@@ -244,7 +244,7 @@ class DeferredStep:
 
     __slots__ = ("_build", "_sized", "_steps", "step")
 
-    def __init__(self, build: Callable[[tuple], CompiledStep], sized: tuple[int, ...]):
+    def __init__(self, build: Callable[[tuple, tuple], CompiledStep], sized: tuple[int, ...]):
         self._build = build
         self._sized = sized
         self._steps: dict[tuple, CompiledStep] = {}  # with `sized`: by the sizes of the call they were compiled for
@@ -253,7 +253,7 @@ class DeferredStep:
     def __call__(self, *args):
         if not self._sized:
             if self.step is None:
-                self.step, self._build = self._build(args), None
+                self.step, self._build = self._build(args, ()), None
             return self.step(*args)
         key = tuple(args[i] if isinstance(args[i], int) else tuple(args[i].shape) for i in self._sized)
         step = self._steps.get(key)
@@ -262,7 +262,7 @@ class DeferredStep:
                 warnings.warn(f"piper_fx: this compiled model has compiled a step for each of {MANY_SHAPES} batch "
                               f"shapes, and compiles one for each new shape ({key}): pad batches to a few fixed "
                               "shapes", stacklevel=2)
-            step = self._steps[key] = self._build(args)
+            step = self._steps[key] = self._build(args, key)
         self.step = step
         return step(*args)
 
@@ -280,14 +280,15 @@ class _StepBuilder:
         self.gm, self.strategy, self.device, self.dump, self.sized = gm, strategy, device, dump, sized
         self.first: tuple | None = (example_inputs, warming, stats)
 
-    def __call__(self, args: tuple) -> CompiledStep:
+    def __call__(self, args: tuple, sizes: tuple) -> CompiledStep:
+        """The step for the call of `args`, whose `sizes` (those of its `sized` arguments) name a
+        later step's dump."""
         if self.first is not None:
             (example_inputs, warming, stats), self.first = self.first, None
             return _compile(self.gm, _at_call_sizes(example_inputs, args, self.sized), self.strategy, self.device,
                             self.dump, warming, stats)
-        sizes = "_".join(str(args[i]) if isinstance(args[i], int) else "x".join(map(str, args[i].shape))
-                         for i in self.sized)
-        return _compile(self.gm, list(args), self.strategy, self.device, self.dump.beside(f"sizes_{sizes}"),
+        name = "_".join(str(size) if isinstance(size, int) else "x".join(map(str, size)) for size in sizes)
+        return _compile(self.gm, list(args), self.strategy, self.device, self.dump.beside(f"sizes_{name}"),
                         warm_up(self.strategy.codegen, self.device), CompileStats())
 
 

@@ -134,6 +134,7 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
         if not isinstance(example, torch.Tensor):
             raise PiperError(f"compiled argument {index} is {type(example).__name__}: piper_fx compiles "
                              "tensor arguments only")
+        batch = _is_batch_argument(node, example)
         parameter = stood_for(example)  # the parameter, where Dynamo saw its program placeholder
         if isinstance(parameter, DTensor):
             # Dynamo's example value: a DTensor only where the model read the parameter itself.
@@ -141,7 +142,7 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
             example = _read_as_program_tensor(node, parameter, index, read_directly)
         else:  # a plain parameter Dynamo traced in mixed precision's param_dtype, read cast to it
             example = parameter
-        if microbatches > 1 and not isinstance(example, nn.Parameter) and not _fqn_from_source(node)[1]:
+        if microbatches > 1 and batch:
             if example.dim() == 0 or example.shape[0] % microbatches:
                 raise PiperError(f"compiled argument {index} has shape {tuple(example.shape)}: its dim 0 must "
                                  f"split into {microbatches} microbatches")
@@ -158,11 +159,17 @@ def _batch_size_symbols(placeholders: list[fx.Node], example_inputs: list) -> se
     symbols = set()
     for node, example in zip(placeholders, example_inputs):
         value = node.meta.get("example_value")
-        if (_has_symbolic_size(value) and value.dim() > 0 and not isinstance(stood_for(example), nn.Parameter)
-                and not _fqn_from_source(node)[1]):
+        if _has_symbolic_size(value) and value.dim() > 0 and _is_batch_argument(node, example):
             symbols.add(_symbol(value.shape[0]))
     symbols.discard(None)
     return symbols
+
+
+def _is_batch_argument(node: fx.Node, example: object) -> bool:
+    """Whether the input `node` (example `example`) is a batch argument, split into
+    microbatches along dim 0: neither a parameter (nor its program placeholder) nor one of the
+    model's buffers."""
+    return not isinstance(stood_for(example), nn.Parameter) and not _fqn_from_source(node)[1]
 
 
 def _symbol(size: object):

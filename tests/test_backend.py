@@ -239,7 +239,7 @@ def test_a_frame_dynamic_in_the_batch_compiles_a_step_per_shape_and_warns_past_m
 
     built = []
 
-    def build(args):
+    def build(args, sizes):
         built.append(args[0])
         return lambda *call: (args[0], call[0])  # the step: the size it was built for, and the call's
 
