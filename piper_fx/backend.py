@@ -36,7 +36,8 @@ from .runtime.executor import ProgramExecutor
 from .runtime.step import CompiledStep
 from .schedules import svg, text_grid
 from .sharding.dtensor_params import stood_for
-from .sharding.holdings import Holding, has_holding, record_holding, record_pipeline_trainer, release
+from .sharding.holdings import Holding, has_holding, holding_of, is_stored, record_holding, \
+    record_pipeline_readers, release
 from .sharding.mesh import dp_group_name, group_names, pp_group_name
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.specs import placement_table
@@ -45,16 +46,20 @@ from .verify import verification_enabled
 
 
 def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: DebugDump | None = None,
-         stats: CompileStats | None = None) -> TrainingDAG:
+         stats: CompileStats | None = None, kept_holders: dict[int, tuple[int, ...]] | None = None) -> TrainingDAG:
     """Capture `gm` and run the strategy passes: the DAG with the programs of this
     rank's pipeline (every rank with `strategy`'s data-parallel index). Needs the
     process group only for group names, so a fake one plans any world size.
+    `kept_holders`: by argument index, the pipeline ranks an earlier compile of the
+    model put each parameter on, which the split into stages keeps (`pipeline_readers`).
     Times capture and each pass into `stats`."""
     dump = dump or DebugDump(None, strategy.rank)
     stats = stats if stats is not None else CompileStats()
     dump.write("00_dynamo_graph.py", gm.print_readable(print_output=False))
     with stats.phase("capture"):
         dag = capture(gm, example_inputs, strategy, dp_group_name(strategy))
+    dag.kept_holders = {i.name: (kept_holders or {})[i.arg_index] for i in dag.inputs
+                        if i.arg_index in (kept_holders or {})}
     dump.write("01_joint_graph.py", dag.joint.print_readable(print_output=False))
     # At every ZeRO level, so a `units` pattern naming no module is an error on every rank whatever the strategy.
     dump.write("units.txt", find_units(dag).render())
@@ -83,11 +88,13 @@ def plan(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: Deb
 def planned_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dump: DebugDump,
                  stats: CompileStats) -> Plan:
     """This rank's plan of the step: loaded from the plan cache (`plan_cache`) when a compile
-    of the same graph, inputs and strategy made it before, in this process or another;
-    planned now (`plan`) and stored there otherwise. Builds the strategy's process groups
-    first, collectively: every rank, whether it finds its plan or not."""
+    of the same graph, inputs and strategy (and pipeline ranks kept for the parameters,
+    `pipeline_readers`) made it before, in this process or another; planned now (`plan`)
+    and stored there otherwise. Builds the strategy's process groups first, collectively:
+    every rank, whether it finds its plan or not."""
     groups = group_names(strategy)
-    key = plan_cache.plan_key(gm, example_inputs, strategy, groups) if plan_cache.enabled() else None
+    kept = pipeline_readers(example_inputs, strategy)
+    key = plan_cache.plan_key(gm, example_inputs, strategy, groups, kept) if plan_cache.enabled() else None
     if key is not None:
         with stats.phase("plan cache"):
             cached = plan_cache.load(key)
@@ -98,7 +105,7 @@ def planned_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, d
                     dump.write(path, text)
             return cached
     dump.recorded = {} if dump.enabled and key is not None else None
-    dag = plan(gm, example_inputs, strategy, dump, stats)
+    dag = plan(gm, example_inputs, strategy, dump, stats, kept)
     planned = plan_of(dag, strategy.rank, dump.recorded)
     with stats.phase("codegen prepare"):
         prepare(planned.program, strategy.codegen)
@@ -110,9 +117,22 @@ def planned_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, d
     return planned
 
 
+def pipeline_readers(example_inputs: list, strategy: Strategy) -> dict[int, tuple[int, ...]]:
+    """Under a pipeline, by argument index, the pipeline ranks whose stages read each parameter
+    an earlier compile of the model planned (`record_compiled_holdings`): a later one (another
+    batch shape, a recompile) must read it there too, for the other ranks let go of it."""
+    if strategy.pp == 1:
+        return {}
+    arguments = [stood_for(t) for t in example_inputs]
+    return {index: holding_of(t).readers for index, t in enumerate(arguments)
+            if isinstance(t, torch.Tensor) and has_holding(t) and holding_of(t).readers}
+
+
 def record_compiled_holdings(planned: Plan, example_inputs: list, strategy: Strategy) -> None:
-    """Complete each parameter's `Holding`: a replica over dp if `prepare` did not
-    lay it out, and under a pipeline, the pipeline rank that trains it."""
+    """Complete each parameter's `Holding`: a replica over dp if `prepare` did not lay
+    it out, and under a pipeline, the pipeline ranks whose stages read it (the first
+    trains it). Raises a `PiperError` if a stage of this rank reads a parameter whose
+    storage an earlier compile let go of (no split keeping its readers was found)."""
     for graph_input in planned.inputs:
         if graph_input.role not in (InputRole.PARAM, InputRole.PARAM_SHARD):
             continue
@@ -120,8 +140,13 @@ def record_compiled_holdings(planned: Plan, example_inputs: list, strategy: Stra
         if not has_holding(parameter):
             record_holding(parameter, Holding(tuple(parameter.shape), replica_group=planned.dp_group))
         holders = planned.parameter_holders.get(graph_input.name)
-        if strategy.pp > 1 and holders:  # they all end the step with the same value; the first counts
-            record_pipeline_trainer(parameter, holders[0], pp_group_name(strategy))
+        if strategy.pp == 1 or not holders:
+            continue
+        if strategy.pp_index in holders and not is_stored(parameter):
+            raise PiperError(f"a stage of pipeline rank {strategy.pp_index} reads the parameter {graph_input.fqn}, "
+                             "whose storage an earlier compile of the model let go of on this rank (it ran no "
+                             "stage reading it then)")
+        record_pipeline_readers(parameter, holders, pp_group_name(strategy))  # they end the step equal
 
 
 def release_other_stages(planned: Plan, example_inputs: list, strategy: Strategy) -> None:

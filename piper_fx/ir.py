@@ -343,6 +343,9 @@ class TrainingDAG:
     # Pipeline ranks running a stage that reads each parameter (by placeholder
     # name); they end the step with the same summed gradient.
     parameter_holders: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # The holders an earlier compile of the model gave each parameter (by placeholder name),
+    # which `split_stages` keeps: the other pipeline ranks let go of its storage then.
+    kept_holders: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def copy(self) -> "TrainingDAG":
         """A DAG with its own copy of the joint graph, before any tasks: passes
@@ -350,7 +353,8 @@ class TrainingDAG:
         graph = fx.Graph()
         graph.output(graph.graph_copy(self.joint.graph, {}))
         return TrainingDAG(make_graph_module(self.joint, graph), [replace(i) for i in self.inputs],
-                           [replace(o) for o in self.outputs], self.strategy, self.dp_group, self.training)
+                           [replace(o) for o in self.outputs], self.strategy, self.dp_group, self.training,
+                           kept_holders=dict(self.kept_holders))
 
     def input_by_name(self) -> dict[str, GraphInput]:
         return {i.name: i for i in self.inputs}

@@ -171,10 +171,12 @@ def _target(target: Any) -> str:
     return qualified_name(target)
 
 
-def plan_key(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, groups: tuple) -> str | None:
+def plan_key(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, groups: tuple,
+             kept_holders: dict[int, tuple[int, ...]] | None = None) -> str | None:
     """The key of the plan of `gm` compiled with `example_inputs` and `strategy` (the process
-    groups `groups` named), or None if it is not cached: a graph with constants of its own,
-    or with a value whose text differs between processes (a function defined in a function)."""
+    groups `groups` named, the pipeline ranks `kept_holders` kept for parameters by argument
+    index), or None if it is not cached: a graph with constants of its own, or with a value
+    whose text differs between processes (a function defined in a function)."""
     if gm.graph.find_nodes(op="get_attr"):
         return None
     digest = hashlib.sha256()
@@ -187,6 +189,7 @@ def plan_key(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, group
 
     try:
         _add_all(add, gm, example_inputs, strategy, groups)
+        add(f"kept holders {sorted((kept_holders or {}).items())!r}")
     except _Unstable as unstable:
         log.info("piper_fx: the plan is not cached: %.200s has no stable key", unstable)
         return None

@@ -5,6 +5,8 @@ import re
 
 import torch
 
+import piper_fx
+
 from piper_fx.ir import memory_order
 from ranks import run_ranks
 from models import ONE_F_ONE_B_DIRECTIVES, reversed_gpipe
@@ -165,6 +167,55 @@ def test_a_batch_of_another_size_compiles_a_step_for_it_and_training_goes_on():
     sizes = [4, 4, 2, 4, 2, 6]  # rows a replica, step by step
     configs = [{"options": {"zero": zero}, "per_rank_batches": sizes} for zero in (0, 3)]
     configs.append({"options": _pp(2, "1f1b", 2), "pp_regions": True, "per_rank_batches": sizes})
+    _check(run_ranks(pipeline_worker, 2, configs, deadline_s=600), configs)
+
+
+def _holders_planned_alone(model_name: str, options: dict, rows: int) -> dict[str, tuple[int, ...]]:
+    """The pipeline ranks reading each parameter (by name) in a plan of `model_name` for a batch of
+    `rows`, made in this process on a fake process group, as a first compile makes it."""
+    import torch.distributed as dist
+    from models import MODELS, batch
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from piper_fx.backend import plan
+    from piper_fx.capture import keep_input_sources
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=options["mesh"]["pp"])
+    try:
+        torch.manual_seed(0)
+        model = MODELS[model_name]()
+        piper_fx.prepare(model, options)
+        captured = {}
+
+        def keep_graph(gm, example_inputs):
+            keep_input_sources(gm)
+            captured.update(gm=gm, example_inputs=example_inputs)
+            return gm.forward
+
+        torch.compile(model, backend=keep_graph, dynamic=False)(*batch(0, rows))
+        dag = plan(captured["gm"], captured["example_inputs"], piper_fx.parse_options(options))
+        return {i.fqn: dag.parameter_holders[i.name] for i in dag.inputs if i.name in dag.parameter_holders}
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+
+
+def test_a_later_compile_keeps_each_parameter_on_the_pipeline_ranks_the_first_put_it_on():
+    """Stages cut by estimated cost (no PP regions) move with the batch: the ops' cost grows with
+    it, the parameters' does not, and `TableFirst`'s layers go to rank 0 at 64 rows, to rank 1
+    at 2 (planned alone, below). A rank lets go of the parameters of stages it does not run, so
+    a step compiled for a later batch shape read them as zeros (loss 2% off, parameters far
+    off). A later compile now keeps each parameter on the ranks the first put it on, under one
+    stage per rank and the V of ZBV (two stages per rank), and trains like one process. (ZBV's
+    first compile at 2 rows failed before: the table outweighed a stage's share, and the cut
+    by cost left stage 0 the index arithmetic alone, with no backward. Each stage now reads a
+    parameter.)"""
+    options = {"codegen": "eager", **_pp(2, "1f1b", 2)}
+    assert _holders_planned_alone("table_first", options, 64) != _holders_planned_alone("table_first", options, 2)
+    configs = [{"options": _pp(2, "1f1b", 2), "model": "table_first", "per_rank_batches": [64, 2, 64]},
+               {"options": _pp(2, "1f1b", 2), "model": "table_first", "per_rank_batches": [2, 64, 2]},
+               {"options": _pp(2, "zbv", 2), "model": "table_first", "per_rank_batches": [64, 2, 64]},
+               {"options": _pp(2, "zbv", 2), "model": "table_first", "per_rank_batches": [2, 64, 2]}]
     _check(run_ranks(pipeline_worker, 2, configs, deadline_s=600), configs)
 
 

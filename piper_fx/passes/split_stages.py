@@ -12,7 +12,8 @@ Values keep their joint-graph node names across tasks. Stage assignment:
   - forward: `piper_fx.annotate("PP")` regions, grouped in order into the
     stages (their count must divide by the number of stages); with no region,
     contiguous runs of the forward ops balanced by estimated cost (FLOPs of
-    matmuls and attention, output size otherwise, plus parameter size).
+    matmuls and attention, output size otherwise, plus parameter size), each
+    stage with an op reading a parameter.
     Unannotated ops follow their inputs; parameter-only ops (gathers, views of
     weights) go with their first user; a stage never reads a later stage. A
     part of a multi-output op (its `getitem`) goes with the op, forward and
@@ -29,6 +30,12 @@ copies left unread are removed from the joint graph.
 stage that reads it: several for embeddings tied across the first and last
 stage, and for every parameter under DualPipe's two copies. Those ranks
 exchange and sum their gradient contributions (see `build_rank_programs`).
+A pipeline rank lets go of the parameters no stage of its reads, so a later
+compile of the model (another batch shape, a recompile) must read each on the
+ranks the first compile put it on (`dag.kept_holders`), where a cut balanced
+anew would move: the cost of ops grows with the batch, that of parameters does
+not. So the cut by cost moves each op as little as keeps the kept parameters
+there, the stages in order and each reading a parameter (`_cut_in_order`).
 """
 from __future__ import annotations
 
@@ -37,7 +44,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..errors import PiperConfigError
+from ..errors import PiperConfigError, PiperError
 from ..ir import InputRole, Task, TaskKind, TrainingDAG, forward_nodes
 from ..ops import MATMULS, PHASE, RECOMPUTES, STEP_END, STEP_START, is_attention
 from ..options import Strategy
@@ -96,6 +103,7 @@ def _forward_stages(dag: TrainingDAG, compute: list[fx.Node], num_stages: int) -
         for node, cost in zip(weighted, costs):
             stage[node] = min(num_stages - 1, int(num_stages * (running + cost / 2) / total))
             running += cost
+        stage.update(_cut_in_order(dag, weighted, stage, num_stages))
     for node in compute:  # unannotated activations follow their inputs; never read a later stage
         if node.target is operator.getitem and node.args[0] in stage:  # a part of a multi-output op lives with it
             stage[node] = stage[node.args[0]]
@@ -111,6 +119,72 @@ def _forward_stages(dag: TrainingDAG, compute: list[fx.Node], num_stages: int) -
             users = [stage[u] for u in node.users if u in stage]
             stage[node] = min(users) if users else num_stages - 1
     return stage
+
+
+def _cut_in_order(dag: TrainingDAG, weighted: list[fx.Node], balanced: dict[fx.Node, int],
+                  num_stages: int) -> dict[fx.Node, int]:
+    """The stages of the `weighted` ops (in order), each as near its `balanced` one (by cost) as
+    keeps the stages in order, each stage with an op reading a parameter (so that it has a
+    backward, and under zero bubble an I and a W, where a cut by cost leaves a stage empty if
+    one op outweighs a stage's share, or with ops of no gradient), and each parameter on the
+    pipeline ranks an earlier compile of the model put it on (`dag.kept_holders`): an op
+    reading one goes to a stage that ranks holding each parameter it reads run. Raises a
+    `PiperError` if the kept ranks leave no such cut (the model traced to other ops than at
+    its first compile); with none kept, a model with fewer such ops than stages keeps `balanced`."""
+    schedule = dag.schedule
+    ranks_of = [{schedule.stage_rank(s, m) for m in range(schedule.num_microbatches)} for s in range(num_stages)]
+    reads = _parameters_read(dag, weighted)
+    allowed = []
+    for node in weighted:
+        holders = [set(dag.kept_holders[p]) for p in reads[node] if p in dag.kept_holders]
+        allowed.append([all(ranks_of[s] <= held for held in holders) for s in range(num_stages)])
+    # finishes[i][s][c]: op i may take stage s, where a parameter was read already (c) or not, and
+    # the ops after it the rest of s and the stages after, each stage reading a parameter.
+    last = num_stages - 1
+    finishes = [[[False, False] for _ in range(num_stages + 1)] for _ in weighted]
+    for i in reversed(range(len(weighted))):
+        for s in range(num_stages):
+            for read_before in (False, True):
+                read = read_before or bool(reads[weighted[i]])
+                if i == len(weighted) - 1:
+                    rest = s == last and read
+                else:
+                    rest = finishes[i + 1][s][read] or (read and finishes[i + 1][s + 1][False])
+                finishes[i][s][read_before] = allowed[i][s] and rest
+    if not weighted or not finishes[0][0][False]:
+        if dag.kept_holders:
+            raise PiperError(
+                "this compile of the model cannot cut its pipeline stages so that each parameter stays on the "
+                "pipeline ranks its first compile put it on (the model traced to other ops than then); mark the "
+                "stages with piper_fx.annotate('PP'), so that every compile cuts them alike")
+        return {node: balanced[node] for node in weighted}
+    stage, previous, read = {}, 0, False
+    for i, node in enumerate(weighted):  # the stage nearest the balanced one from which the rest finishes
+        choices = [(0, False)] if i == 0 else [(previous, read)] + ([(previous + 1, False)] if read else [])
+        previous, read = min(((s, r) for s, r in choices if finishes[i][s][r]),
+                             key=lambda choice: (abs(choice[0] - balanced[node]), choice[0]))
+        stage[node], read = previous, read or bool(reads[node])
+    return stage
+
+
+def _parameters_read(dag: TrainingDAG, weighted: list[fx.Node]) -> dict[fx.Node, set[str]]:
+    """The parameters (placeholder names) each of the `weighted` ops reads, directly or through
+    ops of parameters alone (a gather of its shards, a cast, a view)."""
+    parameters = {i.name for i in dag.inputs if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)}
+    weighted_set = set(weighted)
+    found: dict[fx.Node, set[str]] = {}
+
+    def read_by(node: fx.Node) -> set[str]:
+        if node not in found:
+            found[node] = set()  # a node's inputs come before it: no cycle
+            for read in node.all_input_nodes:
+                if read.op == "placeholder":
+                    found[node] |= {read.name} & parameters
+                elif read not in weighted_set:
+                    found[node] |= read_by(read)
+        return found[node]
+
+    return {node: read_by(node) for node in weighted}
 
 
 def _backward_stages(compute: list[fx.Node], forward_stage: dict[fx.Node, int],

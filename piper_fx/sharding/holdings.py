@@ -41,6 +41,7 @@ class Holding:
     shard_group: str | None = None    # dim 0 split over this group (a `Shard(0)` DTensor); None: held whole
     replica_group: str | None = None  # ranks holding the very same piece; None: no other
     pipeline: tuple[int, str] | None = None  # (pipeline rank that trains it, pp group) under a pipeline
+    readers: tuple[int, ...] = ()  # under a pipeline, the pipeline ranks whose stages read it (the first trains it)
     stored: bool = True  # False: no stage of this rank reads it, and its storage was released
 
     @property
@@ -85,8 +86,9 @@ def holding_of(parameter: torch.Tensor) -> Holding:
     return holding
 
 
-def record_pipeline_trainer(parameter: torch.Tensor, pp_rank: int, pp_group_name: str) -> None:
-    record_holding(parameter, replace(holding_of(parameter), pipeline=(pp_rank, pp_group_name)))
+def record_pipeline_readers(parameter: torch.Tensor, readers: tuple[int, ...], pp_group_name: str) -> None:
+    """Under a pipeline, the pipeline ranks whose stages read `parameter`; the first trains it."""
+    record_holding(parameter, replace(holding_of(parameter), pipeline=(readers[0], pp_group_name), readers=readers))
 
 
 def release(parameter: torch.Tensor) -> None:
