@@ -35,7 +35,7 @@ from .prepare import check_prepared
 from .runtime.executor import ProgramExecutor
 from .runtime.step import CompiledStep
 from .schedules import svg, text_grid
-from .sharding.dtensor_params import stood_for
+from .sharding.dtensor_params import parameter_records, stood_for
 from .sharding.holdings import Holding, has_holding, holding_of, is_stored, record_holding, \
     record_pipeline_readers, release
 from .sharding.mesh import dp_group_name, group_names, pp_group_name
@@ -327,6 +327,12 @@ def _at_call_sizes(example_inputs: list, args: tuple, sized: tuple[int, ...]) ->
     return examples
 
 
+# The parameters of every model compiled in this process. A model's first compile is every
+# rank's at once (its first call); a later one (another batch shape, a recompile) may be one
+# rank's alone, and exchanges nothing with its peers (`codegen.shared`).
+_COMPILED = parameter_records()
+
+
 def _compile(gm: fx.GraphModule, example_inputs: list, strategy: Strategy,
              device: torch.device | None, dump: DebugDump, warming, stats: CompileStats) -> CompiledStep:
     """The step, planned and compiled. Torch's random state (the CPU's generator, and the
@@ -358,12 +364,14 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
     dump.write("program.txt", program.render())
     dump.write("schedule.txt", text_grid(planned.schedule))
     dump.write("schedule.svg", svg(planned.schedule))
+    parameters = [arguments[i.arg_index] for i in planned.inputs if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)]
     compiled = compile_program(program, strategy.codegen, dump, stats, time_waits=strategy.profile, warmed=warming,
-                               fewest=fewest_regions(strategy.regions, device))
+                               fewest=fewest_regions(strategy.regions, device),
+                               together=not any(p in _COMPILED for p in parameters))
+    _COMPILED.update((p, True) for p in parameters)
     dump.write("compile_stats.txt", stats.render())
     record(stats)
 
-    parameters = [arguments[i.arg_index] for i in planned.inputs if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)]
     randomness = step_randomness(planned.randomness, strategy, stream_of(parameters))
     if randomness is not None:  # the model's dropout stream, which checkpoints save and restore
         attach_stream(parameters, randomness)

@@ -31,6 +31,7 @@ would be valid.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -388,13 +389,21 @@ def _custom_schedule(key: str, make, pp: int):
     return schedule, schedule.num_microbatches, schedule.num_stages // pp
 
 
+# The strategies (`agreement_key`) every rank of each default process group agreed on: the
+# group's, dropped with it.
+_AGREED: weakref.WeakKeyDictionary[dist.ProcessGroup, set[tuple]] = weakref.WeakKeyDictionary()
+
+
 def parse_options_on_all_ranks(options: Mapping[str, Any] | None) -> Strategy:
     """`parse_options`, agreed by every rank before anything runs.
 
     If any rank's options are invalid, or ranks were given different
     strategies, every rank raises a `PiperConfigError` naming the offending
     rank, instead of the valid ranks going on into collectives that the
-    failing rank will never join. Collective when a process group exists.
+    failing rank will never join. Collective when a process group exists,
+    but for a strategy its ranks agreed on before (`prepare`'s, a model's
+    first compile): a recompile may be one rank's alone, its peers in their
+    steps' collectives.
     """
     try:
         strategy, error = parse_options(options), None
@@ -403,6 +412,9 @@ def parse_options_on_all_ranks(options: Mapping[str, Any] | None) -> Strategy:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         if error is not None:
             raise error
+        return strategy
+    agreed = _AGREED.setdefault(dist.group.WORLD, set())
+    if strategy is not None and strategy.agreement_key() in agreed:
         return strategy
     mine = ("error", error.key, repr(error.value), error.valid) if error else ("ok", strategy.agreement_key())
     everyone: list = [None] * dist.get_world_size()
@@ -418,4 +430,5 @@ def parse_options_on_all_ranks(options: Mapping[str, Any] | None) -> Strategy:
         raise PiperConfigError(
             "options", dict(options or {}),
             f"every rank must pass the same strategy (dp, pp, ep, zero, bucket_mb, codegen, pipeline, units); got {by_rank}")
+    agreed.add(strategy.agreement_key())
     return strategy

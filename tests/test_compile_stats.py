@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -265,6 +266,30 @@ def test_each_task_shared_through_a_cache_is_compiled_by_the_one_rank_that_claim
     first, again = Claims(store, "compile/0", "host0:/cache"), Claims(store, "compile/0", "host0:/cache")
     assert first("k9") and not again("k9") and not first("k9")
     assert Claims(store, "compile/1", "host0:/cache")("k9")
+
+
+def test_a_task_a_peer_claimed_is_compiled_once_it_is_marked_and_its_failure_is_named():
+    """`codegen.shared` in a later compile, where no rank waits for all the others: a rank
+    compiles a task a peer claimed once the peer marks it done, from the cache; a peer that
+    failed to compile it marks its error, which the rank raises as a `PiperError`."""
+    import torch.distributed as dist
+
+    from piper_fx.codegen.shared import Claims
+    from piper_fx.errors import PiperError
+
+    store = dist.HashStore()
+    peer, mine = Claims(store, "compile/later", "host0:/cache"), Claims(store, "compile/later", "host0:/cache")
+    assert peer("k1") and not mine("k1")
+    peer.mark("k1")
+    mine.wait("k1")
+    assert peer("k2") and not mine("k2")
+    peer.mark("k2", "rank 1 failed to compile a task this rank compiles too: RuntimeError: no compiler")
+    with pytest.raises(PiperError, match="rank 1 failed to compile .* RuntimeError: no compiler"):
+        mine.wait("k2")
+    alone = Claims(store, "compile/later", None)  # no shared cache: compiles everything, waits for no one
+    assert alone("k1") and alone("k2")
+    alone.mark("k3")
+    alone.wait("k3")
 
 
 def test_dynamo_trace_is_the_frames_being_compiled_and_none_outside_a_compile():

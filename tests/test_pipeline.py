@@ -10,7 +10,8 @@ import piper_fx
 from piper_fx.ir import memory_order
 from ranks import run_ranks
 from models import ONE_F_ONE_B_DIRECTIVES, reversed_gpipe
-from training import activation_memory_worker, fixed_batch_pipeline_worker, pipeline_worker
+from training import activation_memory_worker, batches_of_their_own_worker, fixed_batch_pipeline_worker, \
+    pipeline_worker
 
 RTOL = 1e-5
 
@@ -168,6 +169,27 @@ def test_a_batch_of_another_size_compiles_a_step_for_it_and_training_goes_on():
     configs = [{"options": {"zero": zero}, "per_rank_batches": sizes} for zero in (0, 3)]
     configs.append({"options": _pp(2, "1f1b", 2), "pp_regions": True, "per_rank_batches": sizes})
     _check(run_ranks(pipeline_worker, 2, configs, deadline_s=600), configs)
+
+
+def test_ranks_may_call_with_batches_of_their_own_shapes():
+    """As DDP and FSDP2 train on batches of uneven sizes (an epoch's uneven last batches, each
+    rank's batch padded to its own longest sequence): each rank compiles a step for its shapes,
+    alone where its peers already have one for theirs and run it. Before, a rank compiling
+    alone called collectives (the options' agreement in a recompile, the shared compile's
+    exchange) that met its peers' step collectives: every rank waited until the process group's
+    timeout. A step's collectives move parameters and gradients, whose shapes the batch does not
+    change, and a later compile exchanges nothing. Replica 1 compiles its 2-row step alone at
+    step 1 (a Dynamo recompile without microbatches), replica 0 its own at step 2 (its peer has
+    one), replica 1 a 6-row one alone at step 3; under Inductor the second finds the first's
+    code claimed and marked done. The ranks of one pipeline (one replica) share their batch."""
+    rows = [[4, 4], [4, 2], [2, 2], [4, 6]]  # by step, each replica's rows
+    for options in ({"zero": 0, "codegen": "eager"}, {"zero": 3, "codegen": "inductor"},
+                    {"mesh": {"pp": 2, "dp": 2}, "zero": 1, "codegen": "eager",
+                     "pipeline": {"schedule": "1f1b", "microbatches": 2}}):
+        world = 4 if "mesh" in options else 2
+        for rank, run in enumerate(run_ranks(batches_of_their_own_worker, world, options, rows, deadline_s=600)):
+            assert max(run["loss_errors"]) < RTOL, (options, rank, run["loss_errors"])
+            assert max(run["param_errors"].values()) < RTOL, (options, rank, run["param_errors"])
 
 
 def _holders_planned_alone(model_name: str, options: dict, rows: int) -> dict[str, tuple[int, ...]]:

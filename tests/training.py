@@ -446,6 +446,41 @@ def batch_shape_change_worker(rank: int, world: int) -> str:
     return "no error"
 
 
+def batches_of_their_own_worker(rank: int, world: int, options: dict, rows: list[list[int]]) -> dict:
+    """Train with each data-parallel replica's batch of its own rows, `rows[step][replica]`, as
+    DDP and FSDP2 train on batches of uneven sizes: against one process stepping on the mean of
+    the replicas' losses (each the mean over its own rows), so gradients averaged over the
+    replicas. The loss and parameter errors, and the compiled steps' count of this rank."""
+    cfg = GPTConfig(**SMALL, tied_embeddings=False)
+    torch.manual_seed(0)
+    reference, model = GPT(cfg), GPT(cfg)
+    model.load_state_dict(reference.state_dict())
+    if "mesh" in options:
+        model.block_context = lambda: piper_fx.annotate("PP")
+    piper_fx.prepare(model, options)
+    opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
+    step = torch.compile(model, backend="piper", options=options)
+    dp = options.get("mesh", {}).get("dp", world // options.get("mesh", {}).get("pp", 1))
+    loss_errors = []
+    for i, replica_rows in enumerate(rows):
+        x, y = global_batch(i, sum(replica_rows), cfg)
+        parts = list(zip(x.split(replica_rows), y.split(replica_rows)))
+        loss = step(*parts[rank % dp])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = sum(reference(px, py) for px, py in parts) / dp
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        loss_errors.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+    full, expected = piper_fx.full_state_dict(model), reference.state_dict()
+    return {"loss_errors": loss_errors,
+            "param_errors": {name: relative_error(full[name], expected[name]) for name in expected}}
+
+
 def one_step_with_dumps_worker(rank: int, world: int, options: dict) -> None:
     cfg = GPTConfig(**SMALL, tied_embeddings=False)
     torch.manual_seed(0)

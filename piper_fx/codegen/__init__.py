@@ -66,12 +66,13 @@ def prepare(program: RankProgram, codegen: str) -> None:
 
 def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: CompileStats,
                     time_waits: bool = False, warmed: inductor.WarmUp | None = None,
-                    fewest: int | None = regions.FEWEST) -> dict[str, CompiledTask]:
+                    fewest: int | None = regions.FEWEST, together: bool = True) -> dict[str, CompiledTask]:
     """Each task of `program` (`prepare`d for `codegen`), compiled; its time and how its code
-    was obtained go into `stats`. Under Inductor, collective: every rank compiles its program
-    at once (`shared`), each task whole or as its regions (`regions`) where they repeat and
-    number at least `fewest` (`fewest_regions`; None: none cut), each distinct code once;
-    `warmed`: the `warm_up` started for it, if any."""
+    was obtained go into `stats`. Under Inductor, ranks share the work through the cache
+    (`shared`): collective if every rank compiles its program `together` (a model's first
+    compile), not otherwise. Each task is compiled whole or as its regions (`regions`) where
+    they repeat and number at least `fewest` (`fewest_regions`; None: none cut), each
+    distinct code once; `warmed`: the `warm_up` started for it, if any."""
     tasks = list(program.tasks.values())
     if codegen != "inductor":
         compiled: dict[str, CompiledTask] = {}
@@ -109,7 +110,7 @@ def compile_program(program: RankProgram, codegen: str, dump: DebugDump, stats: 
             code[key] = inductor.compile_task(unit)
 
     with stats.phase("codegen exchange"):
-        shares = shared.share(units, [key_of[unit.name] for unit in units])
+        shares = shared.share(units, [key_of[unit.name] for unit in units], together)
     shared.compile_shares(shares, compile_one, lambda: stats.phase("codegen wait for peers"))
     compiled = {}
     for task in tasks:

@@ -11,15 +11,23 @@ group's store (an atomic `add` on a key of the task's code key and where the
 rank's cache is: host and directory). A rank that finishes early claims what is
 left, so the ranks finish their shares together, whatever each task's compile
 takes (a split fixed in advance by node count left one rank of a 12-block
-ZeRO-3 GPT waiting 3-5 s for the other). Then all ranks wait for each other and
-compile the rest, which they now load from the cache. Ranks with different
-caches (say on different file systems) claim apart, each group compiling for
-itself: slower, never wrong.
+ZeRO-3 GPT waiting 3-5 s for the other). A rank marks each task it compiled
+done in the store, and compiles the rest once their claimers marked them done,
+loading them from the cache. Ranks with different caches (say on different
+file systems) claim apart, each group compiling for itself: slower, never wrong.
 
-A rank whose own compiles fail tells its peers in that wait: it raises its own
-error, they a `PiperError` naming it, instead of waiting for it in the step.
-Without a process group (one process, or the fake group that plans large worlds)
-there is no one to share with and nothing is claimed.
+A model's first compile is every rank's at once (its first call), so the ranks
+agree on a name to claim under, fresh for the compile, and wait for each other
+before the rest: a rank whose own compiles fail tells its peers there (it
+raises its own error, they a `PiperError` naming it) instead of leaving them
+waiting for it in the step. A later compile (a step for another batch shape,
+a recompile) may be one rank's alone while its peers run their steps, as when
+each rank pads its batch to its own longest sequence: it exchanges nothing
+(a collective would meet the peers' step collectives) and claims under one name
+for all later compiles; a peer that compiles the same task then waits for its
+mark, and a claimer's failure is in the mark. Without a process group (one
+process, or the fake group that plans large worlds) there is no one to share
+with and nothing is claimed.
 """
 from __future__ import annotations
 
@@ -48,6 +56,7 @@ class Shares:
     first: list[tuple[Task, str]]
     then: list[Task]
     claim: Claims | None  # None: nothing exchanged, compile all of `first`
+    together: bool = False  # every rank compiles now: they wait for each other, hearing of failures
 
 
 def code_key(gm: fx.GraphModule) -> str:
@@ -107,17 +116,35 @@ def _cache() -> str | None:
 
 class Claims:
     """Which rank compiles each task, claimed in `store` under `prefix`: the first rank to
-    claim a (cache, code key) compiles it, for every rank sharing that cache. A rank
-    without a shared cache (`cache` None) compiles everything it holds, for no one."""
+    claim a (cache, code key) compiles it, for every rank sharing that cache, and marks it
+    done (or failed, with its error). A rank without a shared cache (`cache` None)
+    compiles everything it holds, for no one."""
 
     def __init__(self, store: dist.Store, prefix: str, cache: str | None):
         self.store, self.prefix, self.cache = store, prefix, cache
 
+    def _name(self, key: str) -> str:
+        digest = hashlib.sha256(f"{self.cache}\0{key}".encode()).hexdigest()[:32]
+        return f"{self.prefix}/{digest}"
+
     def __call__(self, key: str) -> bool:
         if self.cache is None:
             return True
-        name = hashlib.sha256(f"{self.cache}\0{key}".encode()).hexdigest()[:32]
-        return self.store.add(f"{self.prefix}/{name}", 1) == 1
+        return self.store.add(self._name(key), 1) == 1
+
+    def mark(self, key: str, failure: str = "") -> None:
+        """Mark the task this rank claimed compiled (into the cache), or failed to, with `failure`."""
+        if self.cache is not None:
+            self.store.set(f"{self._name(key)}/done", failure)
+
+    def wait(self, key: str) -> None:
+        """Until the task a peer claimed is marked; a `PiperError` naming the peer if it failed."""
+        if self.cache is None:
+            return
+        self.store.wait([f"{self._name(key)}/done"])
+        failure = self.store.get(f"{self._name(key)}/done").decode()
+        if failure:
+            raise PiperError(f"piper_fx {failure}")
 
 
 def order(costs: Sequence[int], keys: Sequence[str]) -> tuple[list[int], list[int]]:
@@ -133,47 +160,69 @@ def order(costs: Sequence[int], keys: Sequence[str]) -> tuple[list[int], list[in
     return sorted(first.values(), key=lambda index: (-costs[index], keys[index])), rest
 
 
-def share(tasks: Sequence[Task], keys: Sequence[str]) -> Shares:
+def share(tasks: Sequence[Task], keys: Sequence[str], together: bool) -> Shares:
     """The tasks about to be compiled, with their `code_key`s, in the order to claim and
-    compile them (collective, under a process group: the ranks agree on where to claim)."""
+    compile them. Collective where every rank compiles `together` (a model's first compile):
+    the ranks agree on where to claim; a later compile claims where every later one does."""
     if not _exchanging():
         return Shares(list(zip(tasks, keys)), [], claim=None)
-    # Each compile claims under a name of its own, rank 0's: the store outlives this compile.
-    nonce = [os.urandom(16).hex()]
-    dist.broadcast_object_list(nonce, src=0)
-    claims = Claims(default_store(), f"piper_fx/compile/{nonce[0]}", _cache())
+    if together:  # each such compile claims under a name of its own, rank 0's: the store outlives it
+        nonce = [os.urandom(16).hex()]
+        dist.broadcast_object_list(nonce, src=0)
+        prefix = f"piper_fx/compile/{nonce[0]}"
+    else:
+        prefix = "piper_fx/compile/later"
+    claims = Claims(default_store(), prefix, _cache())
     firsts, rest = order([len(task.graph.graph.nodes) for task in tasks], keys)
-    return Shares([(tasks[index], keys[index]) for index in firsts], [tasks[index] for index in rest], claims)
+    return Shares([(tasks[index], keys[index]) for index in firsts], [tasks[index] for index in rest], claims,
+                  together)
 
 
 def compile_shares(shares: Shares, compile_one: Callable[[Task], None],
                    wait: Callable[[], contextlib.AbstractContextManager]) -> None:
-    """Compile the tasks this rank claims, wait for every rank to compile theirs (inside
-    `wait()`), then the rest. If this rank's share fails, the peers hear of it in the wait."""
+    """Compile the tasks this rank claims, marking each; if every rank compiles `together`,
+    wait for all of them to compile theirs (inside `wait()`, where the peers hear of this
+    rank's failure); then the rest, each once its claimer marked it (inside `wait()`)."""
     failure = None
     later = []
     try:
         for task, key in shares.first:
             if shares.claim is None or shares.claim(key):
-                compile_one(task)
+                try:
+                    compile_one(task)
+                except Exception as error:
+                    if shares.claim is not None:
+                        shares.claim.mark(key, f"rank {dist.get_rank()} failed to compile a task this rank compiles "
+                                               f"too, so this rank stops too: {_described(error)}")
+                    raise
+                if shares.claim is not None:
+                    shares.claim.mark(key)
             else:
-                later.append(task)
+                later.append((task, key))
     except Exception as error:
         failure = error
-        if shares.claim is None:
+        if shares.claim is None or not shares.together:
             raise
-    if shares.claim is not None:
+    if shares.together:
         with wait():
             _agree(failure)
-    for task in later + shares.then:
+    for task, key in later:
+        with wait():
+            shares.claim.wait(key)
         compile_one(task)
+    for task in shares.then:
+        compile_one(task)
+
+
+def _described(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"[:2000]
 
 
 def _agree(failure: Exception | None) -> None:
     """Every rank's outcome of its share: raise this rank's own error, or a `PiperError`
     naming the first rank that failed."""
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, None if failure is None else f"{type(failure).__name__}: {failure}"[:2000])
+    dist.all_gather_object(everyone, None if failure is None else _described(failure))
     if failure is not None:
         raise failure
     for rank, outcome in enumerate(everyone):
