@@ -219,17 +219,28 @@ def _collecting_only_new_objects() -> Iterator[int]:
         gc.set_threshold(*thresholds)
 
 
+# The parameters of every model compiled in this process. A model's first compile is every
+# rank's at once (its first call); a later one (another batch shape, a recompile) may be one
+# rank's alone, and exchanges nothing with its peers (`codegen.shared`, the options' agreement).
+_COMPILED = parameter_records()
+
+
+def _compiled_before(arguments: list) -> bool:
+    """Whether a step of the model whose parameters are among `arguments` was compiled."""
+    return any(isinstance(t, torch.Tensor) and t in _COMPILED for t in arguments)
+
+
 def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
-    """Dynamo's backend: validates the options (on all ranks together) and the compiled
-    arguments, starts the code generator's warm-up, and returns the step, which plans and
+    """Dynamo's backend: validates the options (on all ranks together, but at a recompile of a
+    model compiled before: `_compiled_before`) and the compiled arguments, starts the code generator's warm-up, and returns the step, which plans and
     compiles itself on its first call (`DeferredStep`)."""
     stats = CompileStats(dynamo_trace_s=dynamo_trace_seconds())
     keep_input_sources(gm)  # which inputs are buffers: Dynamo forgets once it is done with the frame
-    strategy = parse_options_on_all_ranks(options)
     # The compiled call's arguments as the step sees them: the parameters where Dynamo traced
     # their program placeholders (`dtensor_params`; capture and the plan's key read those
     # as such). The step stands them in on every call.
     arguments = [stood_for(t) for t in example_inputs]
+    strategy = parse_options_on_all_ranks(options, recompile=_compiled_before(arguments))
     check_prepared(strategy, arguments, example_inputs)
     device = check_one_device(arguments)
     dump = DebugDump(strategy.debug_dir, strategy.rank)  # named by Dynamo's compile id, known only now
@@ -327,12 +338,6 @@ def _at_call_sizes(example_inputs: list, args: tuple, sized: tuple[int, ...]) ->
     return examples
 
 
-# The parameters of every model compiled in this process. A model's first compile is every
-# rank's at once (its first call); a later one (another batch shape, a recompile) may be one
-# rank's alone, and exchanges nothing with its peers (`codegen.shared`).
-_COMPILED = parameter_records()
-
-
 def _compile(gm: fx.GraphModule, example_inputs: list, strategy: Strategy,
              device: torch.device | None, dump: DebugDump, warming, stats: CompileStats) -> CompiledStep:
     """The step, planned and compiled. Torch's random state (the CPU's generator, and the
@@ -367,7 +372,7 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
     parameters = [arguments[i.arg_index] for i in planned.inputs if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)]
     compiled = compile_program(program, strategy.codegen, dump, stats, time_waits=strategy.profile, warmed=warming,
                                fewest=fewest_regions(strategy.regions, device),
-                               together=not any(p in _COMPILED for p in parameters))
+                               together=not _compiled_before(parameters))
     _COMPILED.update((p, True) for p in parameters)
     dump.write("compile_stats.txt", stats.render())
     record(stats)

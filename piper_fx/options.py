@@ -394,16 +394,16 @@ def _custom_schedule(key: str, make, pp: int):
 _AGREED: weakref.WeakKeyDictionary[dist.ProcessGroup, set[tuple]] = weakref.WeakKeyDictionary()
 
 
-def parse_options_on_all_ranks(options: Mapping[str, Any] | None) -> Strategy:
+def parse_options_on_all_ranks(options: Mapping[str, Any] | None, recompile: bool = False) -> Strategy:
     """`parse_options`, agreed by every rank before anything runs.
 
     If any rank's options are invalid, or ranks were given different
     strategies, every rank raises a `PiperConfigError` naming the offending
     rank, instead of the valid ranks going on into collectives that the
     failing rank will never join. Collective when a process group exists,
-    but for a strategy its ranks agreed on before (`prepare`'s, a model's
-    first compile): a recompile may be one rank's alone, its peers in their
-    steps' collectives.
+    but for the `recompile` of a model with a strategy its ranks agreed on
+    before: that may be one rank's alone, its peers in their steps'
+    collectives.
     """
     try:
         strategy, error = parse_options(options), None
@@ -414,7 +414,7 @@ def parse_options_on_all_ranks(options: Mapping[str, Any] | None) -> Strategy:
             raise error
         return strategy
     agreed = _AGREED.setdefault(dist.group.WORLD, set())
-    if strategy is not None and strategy.agreement_key() in agreed:
+    if recompile and strategy is not None and strategy.agreement_key() in agreed:
         return strategy
     mine = ("error", error.key, repr(error.value), error.valid) if error else ("ok", strategy.agreement_key())
     everyone: list = [None] * dist.get_world_size()

@@ -167,6 +167,27 @@ def test_ranks_with_different_strategies_are_rejected():
         assert "same strategy" in message and "rank 1" in message
 
 
+def _compiled_with_options_of_its_own(rank, world):
+    """Both ranks prepare a model with the same strategy; rank 1 compiles it with another."""
+    model = torch.nn.Linear(4, 4)
+    options = {"zero": 0, "codegen": "eager"}
+    piper_fx.prepare(model, options)
+    step = torch.compile(lambda x: model(x).sum(), backend="piper",
+                         options={**options, "bucket_mb": 1.0} if rank == 1 else options)
+    try:
+        step(torch.randn(2, 4))
+    except PiperConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_model_compiled_with_other_options_than_its_peers_is_rejected_by_every_rank():
+    """The ranks agreed on `prepare`'s strategy, which does not spare a model's first compile
+    the agreement (only a recompile of a model compiled before, which may be one rank's alone)."""
+    for message in run_ranks(_compiled_with_options_of_its_own, 2, deadline_s=120):
+        assert message is not None and "same strategy" in message and "rank 1" in message, message
+
+
 def _zero_without_prepare(rank, world):
     model = torch.nn.Linear(4, 4)
     step = torch.compile(lambda x: model(x).sum(), backend="piper", options={"zero": 3, "codegen": "eager"})
