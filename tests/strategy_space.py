@@ -36,7 +36,10 @@ class Case:
     checkpointing: str = "none"  # `activation_checkpointing`'s mode: never changes what training computes
     optimizer: str = "adamw_eps"  # `training.make_optimizer`'s names: "sgd", "adamw_eps" (AdamW; see there)
     on_meta: bool = False  # the model built on the meta device, materialized after `prepare` (`to_empty`)
-    resized: bool = False  # the second of the 3 steps' batches twice the others' rows (a step compiled for each)
+    # The 3 steps' batches of other sizes (a step compiled for each): with one replica, or experts shared
+    # out (whose ranks exchange tokens), the second twice the others' rows; otherwise, as DDP and FSDP2
+    # train on uneven batches, the first replica's second and the others' third (each compiled alone).
+    resized: bool = False
 
     @property
     def world(self) -> int:
@@ -144,9 +147,13 @@ def train_case(rank: int, world: int, case: Case) -> dict:
                  "experts": EXPERTS if case.model == "moe" else 0}
     try:
         rows = case.num_microbatches()
+        resized = None
+        if case.resized:
+            together, apart = [rows, 2 * rows, rows], [[rows] * case.dp, [2 * rows] + [rows] * (case.dp - 1),
+                                                        [rows] + [2 * rows] * (case.dp - 1)]
+            resized = together if case.dp == 1 or case.ep > 1 else apart
         result = train_and_compare(rank, world, case.options(), case.optimizer, steps=3, per_rank_batch=rows,
-                                   per_rank_batches=[rows, 2 * rows, rows] if case.resized else None,
-                                   on_meta=case.on_meta, **model)
+                                   per_rank_batches=resized, on_meta=case.on_meta, **model)
     except PiperConfigError as e:
         return {"config_error": (e.key, str(e))}
     return {"loss_error": max(result["loss_errors"]), "param_error": max(result["param_errors"].values()),

@@ -10,8 +10,7 @@ import piper_fx
 from piper_fx.ir import memory_order
 from ranks import run_ranks
 from models import ONE_F_ONE_B_DIRECTIVES, reversed_gpipe
-from training import activation_memory_worker, batches_of_their_own_worker, fixed_batch_pipeline_worker, \
-    pipeline_worker
+from training import activation_memory_worker, fixed_batch_pipeline_worker, pipeline_worker
 
 RTOL = 1e-5
 
@@ -183,13 +182,12 @@ def test_ranks_may_call_with_batches_of_their_own_shapes():
     one), replica 1 a 6-row one alone at step 3; under Inductor the second finds the first's
     code claimed and marked done. The ranks of one pipeline (one replica) share their batch."""
     rows = [[4, 4], [4, 2], [2, 2], [4, 6]]  # by step, each replica's rows
-    for options in ({"zero": 0, "codegen": "eager"}, {"zero": 3, "codegen": "inductor"},
-                    {"mesh": {"pp": 2, "dp": 2}, "zero": 1, "codegen": "eager",
-                     "pipeline": {"schedule": "1f1b", "microbatches": 2}}):
-        world = 4 if "mesh" in options else 2
-        for rank, run in enumerate(run_ranks(batches_of_their_own_worker, world, options, rows, deadline_s=600)):
-            assert max(run["loss_errors"]) < RTOL, (options, rank, run["loss_errors"])
-            assert max(run["param_errors"].values()) < RTOL, (options, rank, run["param_errors"])
+    configs = [{"options": {"zero": 0}, "per_rank_batches": rows},
+               {"options": {"zero": 3, "codegen": "inductor"}, "per_rank_batches": rows}]
+    _check(run_ranks(pipeline_worker, 2, configs, deadline_s=600), configs)
+    configs = [{"options": {"zero": 1, **_pp(2, "1f1b", 2), "mesh": {"pp": 2, "dp": 2}}, "pp_regions": True,
+                "per_rank_batches": rows}]
+    _check(run_ranks(pipeline_worker, 4, configs, deadline_s=600), configs)
 
 
 def _holders_planned_alone(model_name: str, options: dict, rows: int) -> dict[str, tuple[int, ...]]:

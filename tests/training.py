@@ -92,7 +92,7 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
                       model: str = "gpt", experts: int = 0, ep_regions: bool = True,
                       capacity_factor: float | None = None, model_kwargs: dict | None = None,
                       keywords: bool = False, on_meta: bool = False,
-                      per_rank_batches: list[int] | None = None) -> dict:
+                      per_rank_batches: list[int | list[int]] | None = None) -> dict:
     """Train with piper_fx on this rank's shard and, alongside, one model on the global batch.
 
     With `same_init=False` each rank initializes its own model from its own seed;
@@ -100,7 +100,9 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     the compiled model is called with its batch as keyword arguments (`model(x=..., y=...)`).
     With `on_meta` the model is built on the meta device and prepared there, then given
     memory and values (`materialize_as`). With `per_rank_batches`, step i's batch has that
-    many rows a replica (the steps are as many).
+    many rows a replica (the steps are as many), or as many as the list names for each
+    replica: then, as DDP and FSDP2 train on uneven batches, against one process stepping on
+    the mean of the replicas' losses (each the mean over its own rows).
     """
     from models import MODELS, batch
 
@@ -142,14 +144,17 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     for i in range(len(per_rank_batches) if per_rank_batches else steps):
         mesh = options.get("mesh", {})
         dp = mesh.get("dp", world // mesh.get("pp", 1))
-        x, y = batch_fn(i, (per_rank_batches[i] if per_rank_batches else per_rank_batch) * dp)
-        lx, ly = x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp]
+        rows = per_rank_batches[i] if per_rank_batches else per_rank_batch
+        replica_rows = rows if isinstance(rows, list) else [rows] * dp
+        x, y = batch_fn(i, sum(replica_rows))
+        parts = list(zip(x.split(replica_rows), y.split(replica_rows)))
+        lx, ly = parts[rank % dp]
         loss = step(**dict(zip(inspect.signature(model.forward).parameters, (lx, ly)))) if keywords else step(lx, ly)
         loss.backward()
         opt.step()
         opt.zero_grad()
 
-        ref_loss = reference(x, y)
+        ref_loss = reference(x, y) if len(set(replica_rows)) == 1 else sum(reference(*part) for part in parts) / dp
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -444,41 +449,6 @@ def batch_shape_change_worker(rank: int, world: int) -> str:
     except piper_fx.PiperError as e:
         return str(e)
     return "no error"
-
-
-def batches_of_their_own_worker(rank: int, world: int, options: dict, rows: list[list[int]]) -> dict:
-    """Train with each data-parallel replica's batch of its own rows, `rows[step][replica]`, as
-    DDP and FSDP2 train on batches of uneven sizes: against one process stepping on the mean of
-    the replicas' losses (each the mean over its own rows), so gradients averaged over the
-    replicas. The loss and parameter errors, and the compiled steps' count of this rank."""
-    cfg = GPTConfig(**SMALL, tied_embeddings=False)
-    torch.manual_seed(0)
-    reference, model = GPT(cfg), GPT(cfg)
-    model.load_state_dict(reference.state_dict())
-    if "mesh" in options:
-        model.block_context = lambda: piper_fx.annotate("PP")
-    piper_fx.prepare(model, options)
-    opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
-    step = torch.compile(model, backend="piper", options=options)
-    dp = options.get("mesh", {}).get("dp", world // options.get("mesh", {}).get("pp", 1))
-    loss_errors = []
-    for i, replica_rows in enumerate(rows):
-        x, y = global_batch(i, sum(replica_rows), cfg)
-        parts = list(zip(x.split(replica_rows), y.split(replica_rows)))
-        loss = step(*parts[rank % dp])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = sum(reference(px, py) for px, py in parts) / dp
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        loss_errors.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
-    full, expected = piper_fx.full_state_dict(model), reference.state_dict()
-    return {"loss_errors": loss_errors,
-            "param_errors": {name: relative_error(full[name], expected[name]) for name in expected}}
 
 
 def one_step_with_dumps_worker(rank: int, world: int, options: dict) -> None:
