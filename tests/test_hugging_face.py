@@ -59,9 +59,15 @@ def test_a_model_checkpointing_its_layers_trains_as_one_process_does():
 def test_sequences_of_changing_length_train_as_one_process_does():
     """Batches padded to their longest row change length from step to step: a step is compiled
     for each length, and under a pipeline the length stays whole in every microbatch (only the
-    batch's size is split; before, every size Dynamo made symbolic was divided)."""
+    batch's size is split; before, every size Dynamo made symbolic was divided). Under ZeRO-3
+    each rank pads its batch to its own longest row, as DDP and FSDP2 allow: a rank compiles
+    the step of its length alone while its peer runs its own (before, every rank waited there
+    until the process group's timeout)."""
     _check_parity(run_ranks(hf_parity_worker, 2, "llama", STRATEGIES["1f1b"], 3, 4, False, False, False,
                             [LLAMA_SEQ, LLAMA_SEQ // 2, LLAMA_SEQ]), param_error=1e-5)
+    _check_parity(run_ranks(hf_parity_worker, 2, "llama", STRATEGIES["zero3"], 3, 4, False, False, False,
+                            [[LLAMA_SEQ, LLAMA_SEQ], [LLAMA_SEQ // 2, LLAMA_SEQ], [LLAMA_SEQ, LLAMA_SEQ // 2]]),
+                  param_error=1e-5)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -87,7 +93,7 @@ def hf_cases(draw) -> tuple[str, int, dict, bool, bool, list[int] | None]:
     """A Hugging Face model, a strategy over 2 ranks (data parallel at a ZeRO level, or a
     pipeline schedule) or 4 (both), whether the batch is padded, whether the model is built on
     the meta device (then prepared, materialized and loaded), and the steps' sequence lengths
-    where they change (a step compiled for each)."""
+    where they change (a step compiled for each), all replicas' or each one's."""
     codegen = "inductor" if draw(st.integers(1, 6)) == 1 else "eager"
     options = {"codegen": codegen, "bucket_mb": draw(st.sampled_from((25.0, 0.001))), "overlap": draw(st.booleans()),
                "activation_checkpointing": {"mode": draw(st.sampled_from(("none", "full", "selective")))}}
@@ -99,7 +105,11 @@ def hf_cases(draw) -> tuple[str, int, dict, bool, bool, list[int] | None]:
         schedule = draw(st.sampled_from(sorted(SCHEDULE_MICROBATCHES)))
         options.update(mesh={"pp": 2, "dp": world // 2}, pipeline={
             "schedule": schedule, "microbatches": SCHEDULE_MICROBATCHES[schedule]})
-    lengths = draw(st.sampled_from((None, [LLAMA_SEQ, LLAMA_SEQ - 4, LLAMA_SEQ])))
+    lengths = draw(st.sampled_from((None, [LLAMA_SEQ, LLAMA_SEQ - 4, LLAMA_SEQ], "apart")))
+    if lengths == "apart":  # each replica's batch padded to its own longest row; one replica's: together
+        dp = world // 2 if pipelined else world
+        apart = [[LLAMA_SEQ] * dp, [LLAMA_SEQ - 4] + [LLAMA_SEQ] * (dp - 1), [LLAMA_SEQ] + [LLAMA_SEQ - 4] * (dp - 1)]
+        lengths = apart if dp > 1 else [LLAMA_SEQ, LLAMA_SEQ - 4, LLAMA_SEQ]
     return (draw(st.sampled_from(sorted(HUGGING_FACE))), world, options, draw(st.booleans()), draw(st.booleans()),
             lengths)
 

@@ -741,7 +741,7 @@ def padded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3, rows: int = 4,
                      pad: bool = False, checkpointed: bool = False, on_meta: bool = False,
-                     lengths: list[int] | None = None) -> dict:
+                     lengths: list[int | list[int]] | None = None) -> dict:
     """A tiny Hugging Face model (`HUGGING_FACE[name]`) trained with piper_fx on this rank's
     shard of `rows` rows a replica against one copy on the global batch (SGD with momentum):
     relative errors of the losses, and the parameters (by name) whose final values are not
@@ -753,7 +753,9 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     cache, whose warning that it is off would break the graph). With `on_meta`, the model is
     built on the meta device, prepared there, and given memory and values (`materialize_as`).
     With `lengths`, step i's sequences have that many tokens (as batches padded to their
-    longest row do; each length compiles a step of its own)."""
+    longest row do; each length compiles a step of its own), or as many as the list names
+    for each replica (each rank pads its batch to its own longest row): then against one copy
+    stepping on the mean of the replicas' losses, as DDP trains on them."""
     torch.manual_seed(0)
     reference = HUGGING_FACE[name]()
     torch.manual_seed(0)
@@ -780,13 +782,21 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     loss_errors = []
     for i in range(len(lengths) if lengths else steps):
         batch = llama_batch(i, rows * dp)  # by default 4 rows a replica: 2 a microbatch under a pipeline
-        batch = tuple(t[:, :lengths[i]].contiguous() for t in batch) if lengths else batch
-        batch = padded(*batch) if pad else batch
-        loss = step(*(t.chunk(dp)[rank % dp] for t in batch))
+        length = lengths[i] if lengths else None
+        if isinstance(length, list):  # each replica's part cut to its own length
+            parts = [tuple(t[:, :n].contiguous() for t in part) for part, n in zip(zip(*(t.chunk(dp) for t in batch)),
+                                                                                   length)]
+            parts = [padded(*part) if pad else part for part in parts]
+        else:
+            batch = tuple(t[:, :length].contiguous() for t in batch) if length else batch
+            batch = padded(*batch) if pad else batch
+            parts = list(zip(*(t.chunk(dp) for t in batch)))
+        loss = step(*parts[rank % dp])
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_loss = LossOf(reference)(*batch)
+        ref_loss = sum(LossOf(reference)(*part) for part in parts) / dp if isinstance(length, list) \
+            else LossOf(reference)(*batch)
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
