@@ -39,6 +39,15 @@ def test_a_hugging_face_model_trains_as_one_process_does(name, strategy):
     _check_parity(run_ranks(hf_parity_worker, 2, name, STRATEGIES[strategy]))
 
 
+def test_a_mixture_of_experts_trains_as_one_process_does():
+    """Mixtral: transformers 5 multiplies each expert's weights with the tokens routed to it in
+    a custom op of its own (`grouped_mm_fallback`, in fp32), with no DTensor rule, and
+    planning stopped there ("DTensor's sharding propagator has no rule for this op"). piper_fx
+    registers one with DTensor (`sharding.library_rules`)."""
+    for strategy in STRATEGIES.values():
+        _check_parity(run_ranks(hf_parity_worker, 2, "mixtral", strategy))
+
+
 @pytest.mark.parametrize("name, strategy", PADDED, ids=[f"{name}-{strategy}" for name, strategy in PADDED])
 def test_a_padded_batch_trains_as_one_process_does(name, strategy):
     """The model called with its attention mask, every other row padded. Hugging Face's masks

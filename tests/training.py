@@ -714,6 +714,11 @@ HUGGING_FACE = {
                   n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     "bert": _tiny("BertForMaskedLM", "BertConfig", **_DECODER, hidden_dropout_prob=0.0,
                   attention_probs_dropout_prob=0.0),
+    # Mixture of experts: top-2 routing over 4 experts, whose matmuls in fp32 are transformers'
+    # custom op `grouped_mm_fallback` (`piper_fx.sharding.library_rules`).
+    "mixtral": _tiny("MixtralForCausalLM", "MixtralConfig", **_DECODER, num_key_value_heads=1, num_local_experts=4,
+                     num_experts_per_tok=2),
+    "qwen3": _tiny("Qwen3ForCausalLM", "Qwen3Config", **_DECODER, num_key_value_heads=1, head_dim=16),
 }
 
 

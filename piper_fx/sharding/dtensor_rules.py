@@ -15,6 +15,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten
 
 from ..compat import DTensorSpec, OpSchema, TensorMeta
+from .library_rules import register_for
 from .spec_base import SPEC_KEY, DTensorFailed, NoRule, fill_value, format_spec, tensor_inputs
 
 
@@ -114,6 +115,7 @@ def _ask_dtensor(mesh: DeviceMesh, node: fx.Node, placed: dict[fx.Node, Placemen
     this rank's shapes as the global ones; with `global_shapes`, the global shapes instead
     (and `shape` as the op's shape argument, if it has one), and its answer must fit this
     rank's shapes."""
+    register_for(node.target)  # a library's custom op that ships no rule, but we know one
     propagator = DTensor._op_dispatcher.sharding_propagator
     # The op's schema info, as DTensor's own dispatch passes it: which arguments are lists
     # to flatten, and which non-tensor arguments the sharding depends on.

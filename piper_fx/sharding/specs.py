@@ -175,8 +175,9 @@ def _undecided(node: fx.Node, why: str) -> PiperError:
     return PiperError(
         f"piper_fx cannot place node {node.name} = {node.target}({inputs}): {why}. Placements come only from "
         f"DTensor's sharding propagator and from piper_fx's own rules (piper_fx/sharding/specs.py and op_rules.py: its "
-        f"collectives and markers, replicated inputs, random values, and {rules}). Please report this op "
-        f"with your model to piper_fx, or add a rule for it there")
+        f"collectives and markers, replicated inputs, random values, and {rules}). Register a rule for it with "
+        f"DTensor (torch.distributed.tensor.experimental.register_sharding), which planning asks too, or "
+        f"report this op with your model to piper_fx")
 
 
 def infer_spec(mesh: DeviceMesh, node: fx.Node, random_values: Callable[[fx.Node], Any] | None = None
