@@ -71,8 +71,13 @@ def test_sequences_of_changing_length_train_as_one_process_does():
     batch's size is split; before, every size Dynamo made symbolic was divided). Under ZeRO-3
     each rank pads its batch to its own longest row, as DDP and FSDP2 allow: a rank compiles
     the step of its length alone while its peer runs its own (before, every rank waited there
-    until the process group's timeout)."""
+    until the process group's timeout). T5's decoder blocks read the position bias the first
+    block looks up: the lookup goes with its first reader, and so does the bias's parameter,
+    whose pipeline rank a later compile keeps (`split_stages._parameters_read`; the search
+    below found a first version that held every reader of the lookup to that rank)."""
     _check_parity(run_ranks(hf_parity_worker, 2, "llama", STRATEGIES["1f1b"], 3, 4, False, False, False,
+                            [LLAMA_SEQ, LLAMA_SEQ // 2, LLAMA_SEQ]), param_error=1e-5)
+    _check_parity(run_ranks(hf_parity_worker, 2, "t5", STRATEGIES["1f1b"], 3, 4, False, False, False,
                             [LLAMA_SEQ, LLAMA_SEQ // 2, LLAMA_SEQ]), param_error=1e-5)
     _check_parity(run_ranks(hf_parity_worker, 2, "llama", STRATEGIES["zero3"], 3, 4, False, False, False,
                             [[LLAMA_SEQ, LLAMA_SEQ], [LLAMA_SEQ // 2, LLAMA_SEQ], [LLAMA_SEQ, LLAMA_SEQ // 2]]),

@@ -692,7 +692,7 @@ def _tiny(model_class: str, config_class: str, **config):
 _DECODER = dict(vocab_size=LLAMA["vocab_size"], hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=2, max_position_embeddings=16)
 # Tiny Hugging Face models of `hf_parity_worker`, each built from its config: `make test` trains
-# the first three (`tests/test_hugging_face.py`), the rest with PIPER_HF_SWEEP=1.
+# some of them (`tests/test_hugging_face.py`: its CASES, its tests by name and its search), all with PIPER_HF_SWEEP=1.
 HUGGING_FACE = {
     "llama": tiny_llama,
     # An encoder and a decoder sharing one embedding with the head, relative position biases,

@@ -103,7 +103,7 @@ def _forward_stages(dag: TrainingDAG, compute: list[fx.Node], num_stages: int) -
         for node, cost in zip(weighted, costs):
             stage[node] = min(num_stages - 1, int(num_stages * (running + cost / 2) / total))
             running += cost
-        stage.update(_cut_in_order(dag, weighted, stage, num_stages))
+        stage.update(_cut_in_order(dag, compute, weighted, stage, num_stages))
     for node in compute:  # unannotated activations follow their inputs; never read a later stage
         if node.target is operator.getitem and node.args[0] in stage:  # a part of a multi-output op lives with it
             stage[node] = stage[node.args[0]]
@@ -121,19 +121,19 @@ def _forward_stages(dag: TrainingDAG, compute: list[fx.Node], num_stages: int) -
     return stage
 
 
-def _cut_in_order(dag: TrainingDAG, weighted: list[fx.Node], balanced: dict[fx.Node, int],
+def _cut_in_order(dag: TrainingDAG, compute: list[fx.Node], weighted: list[fx.Node], balanced: dict[fx.Node, int],
                   num_stages: int) -> dict[fx.Node, int]:
     """The stages of the `weighted` ops (in order), each as near its `balanced` one (by cost) as
     keeps the stages in order, each stage with an op reading a parameter (so that it has a
     backward, and under zero bubble an I and a W, where a cut by cost leaves a stage empty if
     one op outweighs a stage's share, or with ops of no gradient), and each parameter on the
     pipeline ranks an earlier compile of the model put it on (`dag.kept_holders`): an op
-    reading one goes to a stage that ranks holding each parameter it reads run. Raises a
+    reading one (`_parameters_read`) goes to a stage that ranks holding it run. Raises a
     `PiperError` if the kept ranks leave no such cut (the model traced to other ops than at
     its first compile); with none kept, a model with fewer such ops than stages keeps `balanced`."""
     schedule = dag.schedule
     ranks_of = [{schedule.stage_rank(s, m) for m in range(schedule.num_microbatches)} for s in range(num_stages)]
-    reads = _parameters_read(dag, weighted)
+    reads = _parameters_read(dag, compute, weighted)
     allowed = []
     for node in weighted:
         holders = [set(dag.kept_holders[p]) for p in reads[node] if p in dag.kept_holders]
@@ -167,24 +167,31 @@ def _cut_in_order(dag: TrainingDAG, weighted: list[fx.Node], balanced: dict[fx.N
     return stage
 
 
-def _parameters_read(dag: TrainingDAG, weighted: list[fx.Node]) -> dict[fx.Node, set[str]]:
-    """The parameters (placeholder names) each of the `weighted` ops reads, directly or through
-    ops of parameters alone (a gather of its shards, a cast, a view)."""
-    parameters = {i.name for i in dag.inputs if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)}
-    weighted_set = set(weighted)
-    found: dict[fx.Node, set[str]] = {}
+def _parameters_read(dag: TrainingDAG, compute: list[fx.Node], weighted: list[fx.Node]) -> dict[fx.Node, set[str]]:
+    """The parameters (placeholder names) whose stages each of the `weighted` ops (in order)
+    decides: those it reads itself, and those read by an op of parameters alone (a gather
+    of its shards, a cast, a lookup of position biases) whose first reader it is, as such
+    an op goes with its first reader (`_forward_stages`). `compute`: the forward's ops."""
+    index = {node: i for i, node in enumerate(weighted)}
+    forward = set(compute)
+    first: dict[fx.Node, fx.Node | None] = {}
 
-    def read_by(node: fx.Node) -> set[str]:
-        if node not in found:
-            found[node] = set()  # a node's inputs come before it: no cycle
-            for read in node.all_input_nodes:
-                if read.op == "placeholder":
-                    found[node] |= {read.name} & parameters
-                elif read not in weighted_set:
-                    found[node] |= read_by(read)
-        return found[node]
+    def first_reader(node: fx.Node) -> fx.Node | None:  # of an op of parameters alone, in `weighted`
+        if node not in first:
+            readers = [user if user in index else first_reader(user) for user in node.users if user in forward]
+            first[node] = min((r for r in readers if r is not None), key=index.__getitem__, default=None)
+        return first[node]
 
-    return {node: read_by(node) for node in weighted}
+    found: dict[fx.Node, set[str]] = {node: set() for node in weighted}
+    placeholders = dag.placeholders()
+    for graph_input in dag.inputs:
+        if graph_input.role not in (InputRole.PARAM, InputRole.PARAM_SHARD) or graph_input.name not in placeholders:
+            continue
+        for user in placeholders[graph_input.name].users:
+            reader = user if user in index else first_reader(user) if user in forward else None
+            if reader is not None:
+                found[reader].add(graph_input.name)
+    return found
 
 
 def _backward_stages(compute: list[fx.Node], forward_stage: dict[fx.Node, int],
