@@ -40,12 +40,15 @@ def test_a_hugging_face_model_trains_as_one_process_does(name, strategy):
 
 
 def test_a_mixture_of_experts_trains_as_one_process_does():
-    """Mixtral: transformers 5 multiplies each expert's weights with the tokens routed to it in
-    a custom op of its own (`grouped_mm_fallback`, in fp32), with no DTensor rule, and
-    planning stopped there ("DTensor's sharding propagator has no rule for this op"). piper_fx
-    registers one with DTensor (`sharding.library_rules`)."""
-    for strategy in STRATEGIES.values():
-        _check_parity(run_ranks(hf_parity_worker, 2, "mixtral", strategy))
+    """Mixtral and DeepSeek-V3: transformers 5 multiplies each expert's weights with the tokens
+    routed to it in a custom op of its own (`grouped_mm_fallback`, in fp32), with no DTensor
+    rule, and planning stopped there ("DTensor's sharding propagator has no rule for this
+    op"); piper_fx registers one with DTensor (`sharding.library_rules`). DeepSeek-V3's
+    latent attention writes its keys into slices of a `new_empty` tensor, which DTensor's
+    rule replicated, and the attention refused the replicated keys (`op_rules._slice_scatter`)."""
+    for name in ("mixtral", "deepseek_v3"):
+        for strategy in STRATEGIES.values():
+            _check_parity(run_ranks(hf_parity_worker, 2, name, strategy))
 
 
 @pytest.mark.parametrize("name, strategy", PADDED, ids=[f"{name}-{strategy}" for name, strategy in PADDED])

@@ -307,6 +307,23 @@ def test_a_slice_backward_into_zeros_keeps_the_rows_sharded():
     assert scatter.meta[SPEC_KEY] == Shard(0) and READS_KEY not in scatter.meta
 
 
+def test_keys_written_in_slices_of_an_empty_tensor_keep_the_rows_sharded():
+    # DeepSeek-V3's latent attention: keys made with `new_empty`, then the parts without and
+    # with rotary positions copied into slices of the last dim. Each rank's rows of the empty
+    # tensor are read as its rows (no values to move); DTensor's rule replicated them all.
+    def latent_keys(nope, rope):
+        keys = nope.new_empty(4, 2, 16)
+        keys = torch.ops.aten.slice_scatter(keys, nope, 2, 0, 8)
+        return torch.ops.aten.slice_scatter(keys, rope.expand(4, 2, 8), 2, 8)
+
+    graph = _propagate(latent_keys, ((4, 2, 8), Shard(0)), ((4, 1, 8), Shard(0)))
+    first, second = [n for n in graph.nodes if n.target == torch.ops.aten.slice_scatter.default]
+    assert first.meta[SPEC_KEY] == second.meta[SPEC_KEY] == Shard(0)
+    empty = first.args[0]
+    assert empty.target == torch.ops.aten.new_empty.default and first.meta[READS_KEY] == ((empty.name, Shard(0)),)
+    assert READS_KEY not in second.meta
+
+
 def test_a_slice_assignment_is_placed_as_what_it_copies():
     # Hugging Face's T5 shifts its labels right into zeros: functionalized, as AOTAutograd
     # traces it, a functional copy into the slice (DTensor's rule is the in-place one's).

@@ -719,6 +719,12 @@ HUGGING_FACE = {
     "mixtral": _tiny("MixtralForCausalLM", "MixtralConfig", **_DECODER, num_key_value_heads=1, num_local_experts=4,
                      num_experts_per_tok=2),
     "qwen3": _tiny("Qwen3ForCausalLM", "Qwen3Config", **_DECODER, num_key_value_heads=1, head_dim=16),
+    # Latent attention (keys built in slices of a `new_empty` tensor) and a mixture of experts
+    # after a dense first layer.
+    "deepseek_v3": _tiny("DeepseekV3ForCausalLM", "DeepseekV3Config", **_DECODER, num_key_value_heads=2,
+                         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=16,
+                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                         first_k_dense_replace=1, n_group=1, topk_group=1),
 }
 
 

@@ -173,6 +173,34 @@ def _copy(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     return placed[source], []
 
 
+# Ops that make a tensor of one value, or of none yet, alike on every rank: every row of it alike.
+_MADE_ALIKE = {aten.new_empty.default, aten.empty.memory_format, aten.new_empty_strided.default,
+               aten.empty_strided.default, aten.new_zeros.default, aten.zeros.default, aten.new_full.default,
+               aten.full.default, aten.empty_like.default, aten.zeros_like.default, aten.full_like.default}
+
+
+def _slice_scatter(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """`aten.slice_scatter(base, source, dim)` along a dim other than 0 with a `Shard(0)`
+    source of the batch's rows, functionalized `base[..., a:b] = source`: each row of the
+    result is that row of the base with a slice of it written from that row of the source,
+    so `Shard(0)` where the base is `Shard(0)` with those rows, or made alike on every rank
+    by a factory op (`new_empty`, `zeros`, `full`, ...), every row alike, and then read as
+    this rank's rows (DeepSeek-V3 builds its keys so: `new_empty`, then the parts without
+    and with rotary positions copied into slices of the last dim). DTensor's rule reads
+    such a base as replicated, and replicates the source and the result."""
+    base, source = node.args[:2]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    placed, val = dict(inputs), base.meta["val"]
+    rows = source.meta["val"].shape[0]
+    if dim % val.dim() == 0 or placed[source] != Shard(0) or val.shape[0] != rows:
+        raise NoRule("it writes a slice along a dim other than 0 of a Shard(0) source's rows only")
+    if placed[base] == Shard(0):
+        return Shard(0), []
+    if isinstance(placed[base], Replicate) and base.target in _MADE_ALIKE:  # one of zeros: its own row shard
+        return Shard(0), [] if fill_value(base) is not None else [(base, Shard(0))]
+    raise NoRule(f"its base {base.name} ({format_spec(placed[base])}) is neither Shard(0) nor made alike row by row")
+
+
 # Ops that keep every value of their first argument where it is, only reshaping: what the row
 # numbers `torch.arange(rows)` pass through on their way to an index (`_row_numbers`).
 _SAME_VALUES = {aten.unsqueeze.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
@@ -260,6 +288,7 @@ RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any,
     # DTensor's index_put rule needs the indices replicated; a scatter-add of each rank's
     # rows (e.g. the backward of indexing the batch's rows) is a partial sum.
     aten.index_put.default: _index_put,
+    aten.slice_scatter.default: _slice_scatter,
     aten.copy.default: _copy,
     aten.fill.Tensor: _copy,
     aten.index.Tensor: _index_rows,
