@@ -40,6 +40,7 @@ class Case:
     # out (whose ranks exchange tokens), the second twice the others' rows; otherwise, as DDP and FSDP2
     # train on uneven batches, the first replica's second and the others' third (each compiled alone).
     resized: bool = False
+    frozen: bool = False  # two parameters frozen before `prepare` on both sides (`train_and_compare`)
 
     @property
     def world(self) -> int:
@@ -76,7 +77,7 @@ class Case:
         return (f"{self.model} pp{self.pp} dp{self.dp} ep{self.ep} zero{self.zero} {schedule} "
                 f"bucket={self.bucket_mb} overlap={self.overlap} prefetch={self.prefetch} {self.codegen} "
                 f"ac={self.checkpointing} {self.optimizer}{' on-meta' if self.on_meta else ''}"
-                f"{' resized' if self.resized else ''}")
+                f"{' resized' if self.resized else ''}{' frozen' if self.frozen else ''}")
 
 
 def expected_errors(case: Case) -> set[str]:
@@ -131,7 +132,7 @@ def cases(draw) -> Case:
                 bucket_mb=draw(st.sampled_from((25.0, 0.001))), overlap=draw(st.booleans()),
                 prefetch=draw(st.sampled_from((0, 1, 2))), optimizer=draw(st.sampled_from(("sgd", "adamw_eps"))),
                 checkpointing=draw(st.sampled_from(("none", "full", "selective"))), on_meta=draw(st.booleans()),
-                resized=draw(st.booleans()))
+                resized=draw(st.booleans()), frozen=draw(st.booleans()))
 
 
 def train_case(rank: int, world: int, case: Case) -> dict:
@@ -153,7 +154,7 @@ def train_case(rank: int, world: int, case: Case) -> dict:
                                                         [rows] + [2 * rows] * (case.dp - 1)]
             resized = together if case.dp == 1 or case.ep > 1 else apart
         result = train_and_compare(rank, world, case.options(), case.optimizer, steps=3, per_rank_batch=rows,
-                                   per_rank_batches=resized, on_meta=case.on_meta, **model)
+                                   per_rank_batches=resized, on_meta=case.on_meta, frozen=case.frozen, **model)
     except PiperConfigError as e:
         return {"config_error": (e.key, str(e))}
     return {"loss_error": max(result["loss_errors"]), "param_error": max(result["param_errors"].values()),

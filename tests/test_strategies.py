@@ -5,7 +5,8 @@ The space: pp in {1, 2, 4}, dp in {1, 2} (world <= 4), ep where the model has
 experts (and sometimes where it has none), zero 0..3, every schedule with
 legal and illegal microbatches and stages_per_rank, bucket_mb, overlap,
 prefetch, activation checkpointing (none, full, selective), SGD or AdamW, the
-model built as usual or on the meta device (materialized after `prepare`);
+model built as usual or on the meta device (materialized after `prepare`), two
+of its parameters frozen or none;
 models: an MLP whose first layer's output crosses every stage boundary, the
 example GPT with tied embeddings, and its MoE version. CI runs a fixed-seed profile of 25 examples; set
 `PIPER_STRATEGY_EXAMPLES=N` for a longer, randomly seeded search (with
@@ -16,6 +17,7 @@ import os
 from hypothesis import HealthCheck, Phase, given, settings
 
 from strategy_space import Case, cases, check_outcomes, train_case
+from training import frozen_worker
 
 EXAMPLES = int(os.environ.get("PIPER_STRATEGY_EXAMPLES", "0"))
 PROFILE = settings(
@@ -45,3 +47,21 @@ def test_a_value_sent_to_several_ranks_is_let_go_per_peer(rank_pools):
     case = Case(model="mlp", pp=4, dp=1, zero=0, schedule="zbv", microbatches=5, overlap=False, prefetch=0,
                 optimizer="sgd")
     check_outcomes(case, rank_pools(case.world).run(train_case, case, deadline_s=120))
+
+
+def test_parameters_frozen_before_prepare_stay_as_they_are_while_the_rest_train(rank_pools):
+    """Found probing Hugging Face models (ERNIE 4.5's mixture of experts keeps its router's
+    score correction in a parameter with `requires_grad=False`): `prepare` of a model with a
+    frozen parameter raised under every data-parallel strategy ("cannot register a hook on a
+    tensor that doesn't require gradient"), registering on the parameter's program placeholder
+    the hook that catches another backend training it. As under DDP and FSDP2, a frozen
+    parameter is laid out like the others and neither gets a gradient nor is stepped."""
+    one_f_one_b = {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+    for options in ({"zero": 0}, {"zero": 3}, {"zero": 3, "codegen": "inductor"}, one_f_one_b):
+        results = rank_pools(2).run(frozen_worker, {"codegen": "eager", **options}, "pipeline" in options)
+        for rank, outcome in enumerate(results):
+            assert "error" not in outcome, (options, rank, outcome.get("error"))
+            result = outcome["value"]
+            assert result["frozen"] == ["blocks.1.ln_1.weight", "wte.weight"], result["frozen"]
+            assert not set(result["frozen"]) & set(result["params_with_state"]), (options, rank)
+            assert max(result["loss_errors"]) < 1e-5 and max(result["param_errors"].values()) < 1e-5, (options, rank)

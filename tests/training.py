@@ -92,7 +92,7 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
                       model: str = "gpt", experts: int = 0, ep_regions: bool = True,
                       capacity_factor: float | None = None, model_kwargs: dict | None = None,
                       keywords: bool = False, on_meta: bool = False,
-                      per_rank_batches: list[int | list[int]] | None = None) -> dict:
+                      per_rank_batches: list[int | list[int]] | None = None, frozen: bool = False) -> dict:
     """Train with piper_fx on this rank's shard and, alongside, one model on the global batch.
 
     With `same_init=False` each rank initializes its own model from its own seed;
@@ -102,7 +102,9 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     memory and values (`materialize_as`). With `per_rank_batches`, step i's batch has that
     many rows a replica (the steps are as many), or as many as the list names for each
     replica: then, as DDP and FSDP2 train on uneven batches, against one process stepping on
-    the mean of the replicas' losses (each the mean over its own rows).
+    the mean of the replicas' losses (each the mean over its own rows). With `frozen`, the
+    first parameter and the one halfway down `named_parameters()` have `requires_grad=False`
+    from before `prepare` on both sides, as fine-tuning freezes some: neither side trains them.
     """
     from models import MODELS, batch
 
@@ -120,6 +122,11 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
             model = model_fn()
     else:
         model = model_fn()
+    if frozen:
+        for copy in (model, reference):
+            names = [name for name, _ in copy.named_parameters()]
+            for name in {names[0], names[len(names) // 2]}:
+                copy.get_parameter(name).requires_grad_(False)
     if pp_regions:
         model.block_context = lambda: piper_fx.annotate("PP")
     if experts:
@@ -181,6 +188,7 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
         "trained_values": {name: local(p.detach()).numpy().copy() for name, p in model.named_parameters()
                            if opt.state.get(p)},
         "all_params": sorted(name for name, _ in model.named_parameters()),
+        "frozen": sorted(name for name, p in model.named_parameters() if not p.requires_grad),
         "placements": {name: placement(p) for name, p in model.named_parameters()},
         # Each optimizer state of a parameter's shape, placed like the parameter (FSDP2's convention).
         "state_placements": {f"{name}.{key}": placement(value) for name, p in model.named_parameters()
@@ -748,6 +756,11 @@ def padded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     mask = torch.ones_like(x)
     mask[::2, -3:] = 0
     return x, y.masked_fill(mask == 0, -100), mask
+
+
+def frozen_worker(rank: int, world: int, options: dict, pp_regions: bool) -> dict:
+    """`train_and_compare` of the GPT (AdamW, 3 steps) with two parameters frozen before `prepare`."""
+    return train_and_compare(rank, world, options, "adamw_eps", steps=3, pp_regions=pp_regions, frozen=True)
 
 
 def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3, rows: int = 4,

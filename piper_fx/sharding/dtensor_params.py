@@ -224,13 +224,15 @@ def program_placeholder(parameter: nn.Parameter, name: str, dtype: torch.dtype |
     if placeholder is not None and dtype is not None and placeholder.dtype != dtype:
         placeholder = None
     if placeholder is None:
-        placeholder = nn.Parameter(_same_storage(program_tensor(parameter).detach(), dtype),
-                                   requires_grad=parameter.requires_grad)
+        placeholder = nn.Parameter(_same_storage(program_tensor(parameter).detach(), dtype))
         setattr(placeholder, _STANDS_FOR, weakref.ref(parameter))
         setattr(placeholder, _NAME, name)
         # The piper backend hands gradients to the parameter; a gradient reaching the placeholder
         # means another backend traced the model and would train the placeholder in its place.
+        # Registered while it requires grad (autograd refuses a hook on a tensor that does not),
+        # kept while it follows a frozen parameter, and run again once that one is unfrozen.
         placeholder.register_post_accumulate_grad_hook(_compiled_by_another_backend)
+        placeholder.requires_grad_(parameter.requires_grad)
         _PLACEHOLDER_OF[parameter] = placeholder
     return placeholder
 
