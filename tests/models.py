@@ -165,3 +165,17 @@ class DropoutMLP(nn.Module):
 
     def forward(self, x, y):
         return F.mse_loss(self.out(self.drop(F.gelu(self.fc(x)))), y)
+
+
+class NoisyMLP(DropoutMLP):
+    """The MLP with noise drawn in place, as models draw it besides dropout: its hidden layer
+    scaled by uniform jitter (`uniform_`, Mixtral's router jitter) and by log-normal values
+    (`log_normal_`), shifted by Gumbel noise (`exponential_`, PhiMoE's sampling of experts)
+    and by normal noise (`normal_`, and `torch.normal` about a tensor of means)."""
+
+    def forward(self, x, y):
+        h = F.gelu(self.fc(x))
+        h = h * torch.empty_like(h).uniform_(0.9, 1.1) * torch.empty_like(h).log_normal_(0.0, 0.05)
+        gumbel = -torch.empty_like(h).exponential_().log()
+        h = h + 0.01 * gumbel + torch.empty_like(h).normal_(0.0, 0.05) + torch.normal(0.01 * h, 0.02)
+        return F.mse_loss(self.out(h), y)

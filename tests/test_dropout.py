@@ -7,10 +7,14 @@ eager PyTorch: eager dropout draws from torch's generator in its own order
 (neither does torch.compile's Inductor reproduce eager's random values), so
 only a counter-based run can equal a split one value for value.
 """
+import math
+
+import pytest
 import torch
 import torch.distributed as dist
 
 import piper_fx
+from piper_fx import PiperError
 from piper_fx.philox import StepRandomness, Stream, philox4x32, stream_state, uniform
 
 LOSS_RTOL = 1e-5
@@ -27,7 +31,7 @@ def dropout_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
     how many steps the model's random stream drew. With "repeat", the same batch and parameters
     twice (no optimizer step): the two losses. With "sizes", step i's global batch has that many
     rows (each new size compiles a step of its own)."""
-    from models import DropoutGPT, DropoutMLP, batch
+    from models import DropoutGPT, DropoutMLP, NoisyMLP, batch
     from training import global_batch, make_optimizer
 
     results = []
@@ -35,8 +39,9 @@ def dropout_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
         torch._dynamo.reset()  # p is specialized: a new model must not reuse the last one's code
         options = {"codegen": "eager", **config["options"]}
         torch.manual_seed(0)  # also fixes the dropout seed, drawn when the step is compiled
-        mlp = config.get("model") == "mlp"
-        model = DropoutMLP(config.get("p", P)) if mlp else DropoutGPT(config.get("p", P), regions=True)
+        mlp = config.get("model") in ("mlp", "noisy")
+        model = DropoutGPT(config.get("p", P), regions=True) if not mlp else \
+            NoisyMLP() if config["model"] == "noisy" else DropoutMLP(config.get("p", P))
         batch_of = batch if mlp else (lambda i, rows: global_batch(i, rows, model.gpt.cfg))
         piper_fx.prepare(model, options)
         opt = make_optimizer("sgd", model.parameters())
@@ -118,6 +123,76 @@ def test_dropout_matches_under_pipeline_and_data_parallel_together(rank_pools):
         {"options": {"mesh": {"pp": 2, "dp": 2}, "zero": 1, "pipeline": {"schedule": "1f1b", "microbatches": 2}}},
     ])
     _assert_equal(both[0], reference[0], "pp2 x dp2 ZeRO-1 1F1B")
+
+
+def test_noise_drawn_in_place_matches_single_device_training(rank_pools):
+    """Found probing Hugging Face models: PhiMoE samples its experts with Gumbel noise
+    (`exponential_`), and planning refused it ("exponential is the random op
+    aten.exponential.default, which piper_fx cannot make reproducible"); Mixtral's router
+    jitter (`uniform_`) and `normal_` noise met the same. Each is now a transform of the
+    counter-based values (`functionalize_random.TRANSFORMED`)."""
+    noisy = {"model": "noisy"}
+    reference, repeated, microbatches, inductor = _values(rank_pools(1), 1, [
+        {"options": {}, **noisy},
+        {"options": {}, "repeat": True, **noisy},
+        {"options": {"pipeline": {"microbatches": 4}}, **noisy},
+        {"options": {"codegen": "inductor", "pipeline": {"microbatches": 2}}, **noisy},
+    ])
+    assert abs(repeated["losses"][0] - repeated["losses"][1]) > 1e-6, repeated["losses"]  # each step draws anew
+    _assert_equal(microbatches, reference, "noisy MLP, world 1, 4 microbatches")
+    _assert_equal(inductor, reference, "noisy MLP, world 1, inductor, 2 microbatches")
+    zero1, one_f_one_b = _values(rank_pools(2), 2, [
+        {"options": {"mesh": {"dp": 2}, "zero": 1}, **noisy},
+        {"options": {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 4}}, **noisy},
+    ])
+    _assert_equal(zero1, reference, "noisy MLP, dp2 ZeRO-1")
+    _assert_equal(one_f_one_b, reference, "noisy MLP, pp2 1F1B, 4 microbatches")
+
+
+def test_noise_drawn_in_place_has_its_distribution():
+    """The transforms of `functionalize_random` on counter-based values: uniform on [a, b),
+    exponential of rate λ (mean 1/λ), normal and log-normal of the given mean and deviation."""
+    from piper_fx.passes.functionalize_random import _exponential, _normal_with, _uniform_between
+    from piper_fx.philox import normal
+
+    (rng,) = StepRandomness(Stream(7), samples_per_microbatch=1, first_sample=0,
+                            device=torch.device("cpu")).next_inputs(microbatches=1)
+    u = uniform(rng, torch.tensor(0), shape=(200_000,), per_sample=1, dtype=torch.float32)
+    n = normal(rng, torch.tensor(1), shape=(200_000,), per_sample=1, dtype=torch.float32)
+    between = _uniform_between(u, low=0.9, high=1.1, dtype=torch.float32)
+    assert 0.9 <= between.min() and between.max() < 1.1 and abs(between.mean().item() - 1.0) < 1e-3
+    exponential = _exponential(u, rate=4.0, dtype=torch.float32)
+    assert exponential.min() >= 0 and abs(exponential.mean().item() - 0.25) < 0.005
+    assert abs((exponential > 0.25).float().mean().item() - math.exp(-1.0)) < 0.005  # P(X > 1/λ) = 1/e
+    shifted = _normal_with(n, mean=2.0, std=0.5, log=False, dtype=torch.float32)
+    assert abs(shifted.mean().item() - 2.0) < 0.01 and abs(shifted.std().item() - 0.5) < 0.01
+    about = _normal_with(n, torch.full((200_000,), -1.0), mean=None, std=0.5, log=False, dtype=torch.float32)
+    assert abs(about.mean().item() + 1.0) < 0.01
+    log_normal = _normal_with(n, mean=0.0, std=0.25, log=True, dtype=torch.float32)
+    assert abs(log_normal.log().std().item() - 0.25) < 0.01 and log_normal.min() > 0
+
+
+def test_a_random_op_it_cannot_draw_is_an_error_naming_it():
+    from models import DropoutMLP, batch
+
+    from piper_fx.capture import capture, keep_input_sources
+    from piper_fx.passes.functionalize_random import functionalize_random
+
+    class CauchyNoise(DropoutMLP):
+        def forward(self, x, y):
+            h = self.fc(x)
+            return torch.nn.functional.mse_loss(self.out(h + torch.empty_like(h).cauchy_()), y)
+
+    strategy = piper_fx.parse_options({"codegen": "eager"})
+
+    def backend(gm, example_inputs):
+        keep_input_sources(gm)
+        functionalize_random(capture(gm, example_inputs, strategy, None), strategy)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with pytest.raises(PiperError, match=r"cauchy is the random op aten.cauchy.default, which piper_fx cannot"):
+        torch.compile(CauchyNoise(), backend=backend)(*batch(0, 4))
 
 
 def test_philox_known_answers():

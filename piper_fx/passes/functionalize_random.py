@@ -1,4 +1,4 @@
-"""Pass: make random ops (dropout, rand, randn, bernoulli) functions of the sample they act on.
+"""Pass: make random ops (dropout, rand, randn, bernoulli, ...) functions of the sample they act on.
 
 Single-device training draws one random tensor per op for the whole batch.
 Drawn from torch's generator per task, a microbatch's values would depend on
@@ -22,7 +22,9 @@ microbatch (see `philox`; the step supplies it, from `step_randomness`), and
 every random op replaced by ops computing its values from it:
 `native_dropout` (eager capture) as `keep = u > p`, `keep * x / (1 - p)`,
 `rand` / `rand_like` (Inductor's dropout decomposition) as u, `randn` /
-`randn_like` by Box-Muller, `bernoulli` as `u < p`. Nothing is drawn again in
+`randn_like` by Box-Muller, `bernoulli` as `u < p`, and the in-place draws
+(`uniform_`, `exponential_`, `normal_`, `log_normal_`) and `torch.normal` as
+transforms of uniform or normal values. Nothing is drawn again in
 the backward: it reads the forward's mask, a saved forward value, as before.
 Eager and Inductor capture draw the same masks. Any other random op, and
 attention with dropout, is a `PiperError` naming it.
@@ -48,6 +50,16 @@ UNIFORM = {aten.rand.default, aten.rand_like.default}
 NORMAL = {aten.randn.default, aten.randn_like.default}
 BERNOULLI = {aten.bernoulli.p, aten.bernoulli.default}
 DROPOUT = {aten.native_dropout.default}
+prims = torch.ops.prims
+# In-place draws as functionalization writes them (`x.uniform_(a, b)`, `x.exponential_()`,
+# `x.normal_(m, s)`, `x.log_normal_()`), `torch.normal`, and the prims Inductor's decompositions
+# write for them: a transform of uniform or normal values (Mixtral's router jitter is
+# `uniform_`, PhiMoE's Gumbel sampling `exponential_`). Uniform ones by their bounds' names.
+UNIFORM_BETWEEN = {aten.uniform.default: ("from", "to"), prims.uniform.default: ("low", "high")}
+EXPONENTIAL = {aten.exponential.default}
+NORMAL_WITH = {aten.normal_functional.default, aten.normal.Tensor_float, aten.normal.float_Tensor,
+               aten.normal.Tensor_Tensor, aten.normal.float_float, aten.log_normal.default, prims.normal.default}
+TRANSFORMED = UNIFORM_BETWEEN.keys() | EXPONENTIAL | NORMAL_WITH
 
 
 def _op_index(rng: torch.Tensor, *, op_index: int) -> torch.Tensor:
@@ -64,6 +76,21 @@ def _apply_mask(x: torch.Tensor, keep: torch.Tensor, *, scale: float) -> torch.T
 
 def _bernoulli(u: torch.Tensor, probability, *, dtype: torch.dtype) -> torch.Tensor:
     return (u < probability).to(dtype)
+
+
+def _uniform_between(u: torch.Tensor, *, low: float, high: float, dtype: torch.dtype) -> torch.Tensor:
+    return (low + (high - low) * u).to(dtype)
+
+
+def _exponential(u: torch.Tensor, *, rate: float, dtype: torch.dtype) -> torch.Tensor:
+    return (-torch.log(1.0 - u) / rate).to(dtype)  # 1 - u is in (0, 1]
+
+
+def _normal_with(n: torch.Tensor, *tensors: torch.Tensor, mean, std, log: bool, dtype: torch.dtype) -> torch.Tensor:
+    """`mean + std * n` (its exp for a log-normal); `mean` or `std` None: the next of `tensors`."""
+    given = iter(tensors)
+    value = (next(given) if mean is None else mean) + (next(given) if std is None else std) * n
+    return (torch.exp(value) if log else value).to(dtype)
 
 
 def _argument(node: fx.Node, name: str, default=None):
@@ -110,10 +137,11 @@ def _random_ops(graph: fx.Graph) -> list[fx.Node]:
             continue
         if node.target in DROPOUT and (_argument(node, "train") is False or float(node.args[1]) == 0.0):
             continue  # evaluation, or p = 0: keeps every element whatever is drawn
-        if node.target not in UNIFORM | NORMAL | BERNOULLI | DROPOUT:
+        if node.target not in UNIFORM | NORMAL | BERNOULLI | DROPOUT | TRANSFORMED:
             raise PiperError(f"{node.name} is the random op {node.target}, which piper_fx cannot make "
                              "reproducible across microbatches and ranks; it supports dropout, rand, randn, "
-                             "bernoulli (and their _like forms)")
+                             "bernoulli (and their _like forms), uniform_, normal_, log_normal_, exponential_ "
+                             "and torch.normal")
         random_ops.append(node)
     return random_ops
 
@@ -138,8 +166,10 @@ def _replace(graph: fx.Graph, node: fx.Node, op_index: int, rng: fx.Node, sample
     shape = tuple(out_val.shape)
     # The op's index as a value, so ops of one shape share one trace of the generator (tracing is slow).
     index = splice(functools.partial(_op_index, op_index=op_index), [rng], before=node, like=node)
-    draw = functools.partial(normal if node.target in NORMAL else uniform, shape=shape,
-                             per_sample=_per_sample(shape, samples), dtype=out_val.dtype)
+    transformed = node.target in TRANSFORMED  # drawn in float32, then transformed and converted
+    draw = functools.partial(normal if node.target in NORMAL | NORMAL_WITH else uniform, shape=shape,
+                             per_sample=_per_sample(shape, samples),
+                             dtype=torch.float32 if transformed else out_val.dtype)
     values = splice(draw, [rng, index], before=node, like=node)
     if node.target in DROPOUT:
         x, p = node.args[0], float(node.args[1])
@@ -158,9 +188,30 @@ def _replace(graph: fx.Graph, node: fx.Node, op_index: int, rng: fx.Node, sample
             values = splice(functools.partial(_bernoulli, probability=float(probability), dtype=val.dtype),
                             [values], before=node, like=node)
         node.replace_all_uses_with(values)
+    elif transformed:
+        node.replace_all_uses_with(_transform(node, values, val.dtype, splice))
     else:
         node.replace_all_uses_with(values)
     graph.erase_node(node)
+
+
+def _transform(node: fx.Node, values: fx.Node, dtype: torch.dtype, splice) -> fx.Node:
+    """The values of the random op `node` (in `TRANSFORMED`) from float32 `values` drawn for it:
+    uniform ones for `uniform` and `exponential`, normal ones for the rest."""
+    if node.target in UNIFORM_BETWEEN:
+        low, high = UNIFORM_BETWEEN[node.target]
+        transform = functools.partial(_uniform_between, low=float(_argument(node, low, 0.0)),
+                                      high=float(_argument(node, high, 1.0)), dtype=dtype)
+        return splice(transform, [values], before=node, like=node)
+    if node.target in EXPONENTIAL:
+        transform = functools.partial(_exponential, rate=float(_argument(node, "lambd", 1.0)), dtype=dtype)
+        return splice(transform, [values], before=node, like=node)
+    log = node.target is aten.log_normal.default
+    mean, std = _argument(node, "mean", 1.0 if log else 0.0), _argument(node, "std", 2.0 if log else 1.0)
+    tensors = [value for value in (mean, std) if isinstance(value, fx.Node)]
+    transform = functools.partial(_normal_with, mean=None if isinstance(mean, fx.Node) else float(mean),
+                                  std=None if isinstance(std, fx.Node) else float(std), log=log, dtype=dtype)
+    return splice(transform, [values, *tensors], before=node, like=node)
 
 
 def functionalize_random(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
