@@ -159,7 +159,9 @@ def _specialize_to_microbatch(gm: fx.GraphModule, example_inputs: list, microbat
         if microbatches > 1 and batch:
             if example.dim() == 0 or example.shape[0] % microbatches:
                 raise PiperError(f"compiled argument {index} has shape {tuple(example.shape)}: its dim 0 must "
-                                 f"split into {microbatches} microbatches")
+                                 f"split into {microbatches} microbatches (options['pipeline']['microbatches']; "
+                                 "a graph of part of the model, after a graph break, takes values of the "
+                                 "model's, not its batch: compile with fullgraph=True to find a break)")
             example = example.chunk(microbatches)[0]
         kept.append(index)
         args.append(example)
@@ -327,6 +329,32 @@ _FIXED_BATCH = (
     "arguments of the function you compile before each call (torch._dynamo.mark_dynamic(x, 0))")
 
 
+def _not_one_scalar_loss(differentiable: int, shape: tuple | None, microbatches: int) -> PiperError:
+    return PiperError(
+        f"the compiled graph returns {differentiable} differentiable outputs, the first of shape "
+        f"{shape}; piper_fx runs whole training steps and needs the model to return its scalar "
+        "loss first and nothing else that requires grad. A graph break also splits the model "
+        "into graphs that do not end in the loss: compile with fullgraph=True to find it"
+        + (". Under a pipeline, piper_fx.prepare marks the batch size dynamic in a hook of the "
+           "module it prepared, which breaks a function compiled around its call there: compile "
+           "a module whose forward returns the loss (for a Hugging Face model, one returning "
+           "model(...).loss)" if microbatches > 1 else ""))
+
+
+def _check_first_output_is_a_scalar(gm: fx.GraphModule, microbatches: int) -> None:
+    """Before anything is traced: a training graph from Dynamo whose first output is not a
+    scalar is not a whole training step (a graph break ended it early, say), whatever its
+    arguments are (a graph after a break takes values of the model's, not its batch)."""
+    outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    values = [node.meta.get("example_value") for node in (outputs if isinstance(outputs, (tuple, list)) else [outputs])
+              if isinstance(node, fx.Node)]
+    differentiable = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+    if differentiable and (differentiable[0] is not values[0] or values[0].numel() != 1):
+        first = values[0]
+        raise _not_one_scalar_loss(len(differentiable), tuple(first.shape) if isinstance(first, torch.Tensor) else None,
+                                   microbatches)
+
+
 def _check_one_scalar_loss(joint: fx.GraphModule, inputs: list[GraphInput], outputs: list[GraphOutput],
                            microbatches: int) -> None:
     """A training graph has one differentiable output, first: the scalar loss."""
@@ -334,16 +362,8 @@ def _check_one_scalar_loss(joint: fx.GraphModule, inputs: list[GraphInput], outp
     loss = next((o for o in outputs if o.role is OutputRole.LOSS), None)
     loss_val = next((n.meta["val"] for n in joint.graph.nodes if loss and n.name == loss.name), None)
     if loss_val is None or len(tangents) != 1 or loss_val.numel() != 1:
-        shape = tuple(loss_val.shape) if loss_val is not None else None
-        raise PiperError(
-            f"the compiled graph returns {len(tangents)} differentiable outputs, the first of shape "
-            f"{shape}; piper_fx runs whole training steps and needs the model to return its scalar "
-            "loss first and nothing else that requires grad. A graph break also splits the model "
-            "into graphs that do not end in the loss: compile with fullgraph=True to find it"
-            + (". Under a pipeline, piper_fx.prepare marks the batch size dynamic in a hook of the "
-               "module it prepared, which breaks a function compiled around its call there: compile "
-               "a module whose forward returns the loss (for a Hugging Face model, one returning "
-               "model(...).loss)" if microbatches > 1 else ""))
+        raise _not_one_scalar_loss(len(tangents), tuple(loss_val.shape) if loss_val is not None else None,
+                                   microbatches)
 
 
 def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_group: str | None) -> TrainingDAG:
@@ -357,6 +377,8 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     """
     dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sized = any(_is_size_input(node, example) for node, example in zip(dynamo_placeholders, example_inputs))
+    if torch.is_grad_enabled():
+        _check_first_output_is_a_scalar(gm, strategy.microbatches)
     gm, traced_inputs, arg_indices = _specialize_to_microbatch(gm, example_inputs, strategy.microbatches)
     dynamo_placeholders = [dynamo_placeholders[i] for i in arg_indices]
     _trace_mixed_precision(gm, traced_inputs, strategy.mixed_precision)

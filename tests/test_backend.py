@@ -188,6 +188,11 @@ def test_graph_break_is_refused_with_a_hint():
 
     with pytest.raises(PiperError, match="fullgraph"):
         torch.compile(broken, backend="piper", options=EAGER)(torch.randn(2, 3))
+    # Said before the batch is split into microbatches: a graph that is part of the model may take
+    # arguments that do not split (JetMoE's did, and was refused for its shape alone).
+    torch._dynamo.reset()
+    with pytest.raises(PiperError, match="scalar loss.*fullgraph"):
+        torch.compile(broken, backend="piper", options={**EAGER, "pipeline": {"microbatches": 2}})(torch.randn(3, 3))
 
 
 def test_debug_dumps_show_every_stage(tmp_path):
