@@ -45,10 +45,14 @@ def test_a_mixture_of_experts_trains_as_one_process_does():
     rule, and planning stopped there ("DTensor's sharding propagator has no rule for this
     op"); piper_fx registers one with DTensor (`sharding.library_rules`). DeepSeek-V3's
     latent attention writes its keys into slices of a `new_empty` tensor, which DTensor's
-    rule replicated, and the attention refused the replicated keys (`op_rules._slice_scatter`)."""
+    rule replicated, and the attention refused the replicated keys (`op_rules._slice_scatter`).
+    And ERNIE 4.5's mixture of experts."""
     for name in ("mixtral", "deepseek_v3"):
         for strategy in STRATEGIES.values():
             _check_parity(run_ranks(hf_parity_worker, 2, name, strategy))
+    # ERNIE 4.5's router keeps its scores' correction in a parameter with requires_grad=False,
+    # which `prepare` refused under data parallelism (`test_strategies`, frozen parameters).
+    _check_parity(run_ranks(hf_parity_worker, 2, "ernie4_5_moe", ZERO3))
 
 
 @pytest.mark.parametrize("name, strategy", PADDED, ids=[f"{name}-{strategy}" for name, strategy in PADDED])

@@ -733,6 +733,20 @@ HUGGING_FACE = {
                          n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=16,
                          kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                          first_k_dense_replace=1, n_group=1, topk_group=1),
+    # Experts after a dense first layer, whose router keeps a correction of its scores in a
+    # parameter with requires_grad=False.
+    "ernie4_5_moe": _tiny("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", **_DECODER, num_key_value_heads=1,
+                          moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
+    # An encoder and a decoder with learned positions and embeddings scaled in the forward.
+    "bart": _tiny("BartForConditionalGeneration", "BartConfig", vocab_size=LLAMA["vocab_size"], d_model=32,
+                  encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                  encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=16, dropout=0.0,
+                  attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                  decoder_start_token_id=2),
+    # No attention: a selective state-space scan over the sequence (a causal convolution, then
+    # a recurrence of sequence length steps).
+    "mamba": _tiny("MambaForCausalLM", "MambaConfig", vocab_size=LLAMA["vocab_size"], hidden_size=32, state_size=8,
+                   num_hidden_layers=2, expand=2, conv_kernel=4),
 }
 
 
