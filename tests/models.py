@@ -132,6 +132,18 @@ ONE_F_ONE_B_DIRECTIVES = [
 ]
 
 
+class BatchNormMLP(nn.Module):
+    """An MLP with a `BatchNorm1d` between its layers: its forward updates the norm's running
+    statistics and counts its batches, buffers it mutates in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm, self.out = nn.Linear(WIDTH, 2 * WIDTH), nn.BatchNorm1d(2 * WIDTH), nn.Linear(2 * WIDTH, 1)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.out(F.gelu(self.norm(self.fc(x)))), y)
+
+
 class DropoutGPT(nn.Module):
     """The example GPT (`examples.gpt`, untied embeddings) with dropout where GPT-2 has it: on
     the embeddings and on each block's attention and MLP outputs (`dropout` = p, 0 for none).

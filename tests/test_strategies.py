@@ -17,7 +17,7 @@ import os
 from hypothesis import HealthCheck, Phase, given, settings
 
 from strategy_space import Case, cases, check_outcomes, train_case
-from training import frozen_worker
+from training import batch_norm_worker, frozen_worker
 
 EXAMPLES = int(os.environ.get("PIPER_STRATEGY_EXAMPLES", "0"))
 PROFILE = settings(
@@ -65,3 +65,26 @@ def test_parameters_frozen_before_prepare_stay_as_they_are_while_the_rest_train(
             assert result["frozen"] == ["blocks.1.ln_1.weight", "wte.weight"], result["frozen"]
             assert not set(result["frozen"]) & set(result["params_with_state"]), (options, rank)
             assert max(result["loss_errors"]) < 1e-5 and max(result["param_errors"].values()) < 1e-5, (options, rank)
+
+
+def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):
+    """Found checking BatchNorm: the program returned the running statistics' new values and the
+    step dropped them (kept per microbatch, looked up per step), so the statistics stayed as
+    initialized while training went on, silently. Each rank now takes its own, as under FSDP2
+    (and DDP without broadcast_buffers); with several microbatches a step, whose forwards
+    would each start from the step's value, or in a pipeline, whose other stages' ranks would
+    keep the old ones, it is a `PiperError` naming the buffers."""
+    cases = [(1, {"codegen": "eager"}), (1, {"codegen": "inductor"}), (2, {"codegen": "eager", "zero": 0}),
+             (2, {"codegen": "eager", "zero": 3})]
+    for world, options in cases:
+        for rank, outcome in enumerate(rank_pools(world).run(batch_norm_worker, options)):
+            assert "error" not in outcome, (options, rank, outcome.get("error"))
+            result = outcome["value"]
+            assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
+            assert max(result["errors"].values()) < 1e-5, (options, rank, result["errors"])
+    (outcome,) = rank_pools(1).run(batch_norm_worker, {"codegen": "eager", "pipeline": {"microbatches": 2}})
+    assert "norm.num_batches_tracked, norm.running_mean, norm.running_var in place" in outcome["error"], outcome
+    # In a pipeline the ranks of the other stages would keep the old values: refused on every rank.
+    gpipe = {"codegen": "eager", "mesh": {"pp": 2}, "pipeline": {"schedule": "gpipe", "microbatches": 1}}
+    for outcome in rank_pools(2).run(batch_norm_worker, gpipe):
+        assert "not 1 microbatches over 2 pipeline ranks" in outcome.get("error", ""), outcome

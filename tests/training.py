@@ -772,6 +772,42 @@ def padded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return x, y.masked_fill(mask == 0, -100), mask
 
 
+def batch_norm_worker(rank: int, world: int, options: dict) -> dict:
+    """`models.BatchNormMLP` trained 3 steps (SGD) on this rank's share of each batch, beside an
+    eager copy trained as DDP trains it without broadcasting buffers (its gradients averaged
+    over the ranks, its norm's statistics of this rank's rows alone, as under FSDP2): the
+    largest relative differences of the losses, and of every parameter and buffer."""
+    from models import BatchNormMLP, batch
+
+    torch.manual_seed(0)
+    model, reference = BatchNormMLP(), BatchNormMLP()
+    reference.load_state_dict(model.state_dict())
+    piper_fx.prepare(model, options)
+    step = torch.compile(model, backend="piper", options=options)
+    opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
+    mesh = options.get("mesh", {})
+    dp = mesh.get("dp", world // mesh.get("pp", 1))  # a pipeline's ranks: one replica (dp 1) or dp alone
+    loss_errors = []
+    for i in range(3):
+        x, y = (t.chunk(dp)[rank % dp] for t in batch(i, 4 * dp))
+        loss = step(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = reference(x, y)
+        ref_loss.backward()
+        for p in reference.parameters():
+            if dp > 1:
+                dist.all_reduce(p.grad)
+            p.grad /= dp
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_errors.append(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+    full, expected = piper_fx.full_state_dict(model), reference.state_dict()
+    return {"loss_errors": loss_errors, "errors": {name: relative_error(full[name].double(), expected[name].double())
+                                                   for name in expected}}
+
+
 def frozen_worker(rank: int, world: int, options: dict, pp_regions: bool) -> dict:
     """`train_and_compare` of the GPT (AdamW, 3 steps) with two parameters frozen before `prepare`."""
     return train_and_compare(rank, world, options, "adamw_eps", steps=3, pp_regions=pp_regions, frozen=True)
