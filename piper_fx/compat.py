@@ -69,6 +69,7 @@ from torch._inductor.compile_fx import compile_fx_inner  # noqa: F401
 # each ISA's own check (`bool(isa)`, cached per ISA), with the ISAs this x86 CPU claims.
 from torch._inductor.cpu_vec_isa import supported_vec_isa_list, valid_vec_isa_list, x86_isa_checker  # noqa: F401
 from torch._inductor.decomposition import select_decomp_table  # noqa: F401
+from torch._inductor import inductor_prims  # noqa: F401  (registers the prims its decompositions write)
 from torch._inductor.fx_passes import bucketing  # noqa: F401
 # What Inductor's `bucketing.process_collective_bucket` does around its trace, which
 # `passes.bucket_collectives` runs itself to trace each bucket layout once: make_fx of a

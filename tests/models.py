@@ -144,6 +144,28 @@ class BatchNormMLP(nn.Module):
         return F.mse_loss(self.out(F.gelu(self.norm(self.fc(x)))), y)
 
 
+class ConvNet(nn.Module):
+    """A small image classifier: convolutions, a `BatchNorm2d` (running statistics it mutates),
+    a `GroupNorm`, max and average pooling, on `conv_batch`'s images."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.norm1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.norm2 = nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.GroupNorm(4, 16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x, y):
+        h = F.relu(self.norm1(self.conv1(x)))
+        h = F.max_pool2d(F.relu(self.norm2(self.conv2(h))), 2)
+        return F.cross_entropy(self.head(F.adaptive_avg_pool2d(h, 1).flatten(1)), y)
+
+
+def conv_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` random 16x16 RGB images and class labels of 10, drawn for `step`."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(rows, 3, 16, 16, generator=g), torch.randint(0, 10, (rows,), generator=g)
+
+
 class DropoutGPT(nn.Module):
     """The example GPT (`examples.gpt`, untied embeddings) with dropout where GPT-2 has it: on
     the embeddings and on each block's attention and MLP outputs (`dropout` = p, 0 for none).

@@ -772,15 +772,17 @@ def padded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return x, y.masked_fill(mask == 0, -100), mask
 
 
-def batch_norm_worker(rank: int, world: int, options: dict) -> dict:
-    """`models.BatchNormMLP` trained 3 steps (SGD) on this rank's share of each batch, beside an
-    eager copy trained as DDP trains it without broadcasting buffers (its gradients averaged
-    over the ranks, its norm's statistics of this rank's rows alone, as under FSDP2): the
-    largest relative differences of the losses, and of every parameter and buffer."""
-    from models import BatchNormMLP, batch
+def batch_norm_worker(rank: int, world: int, options: dict, conv: bool = False) -> dict:
+    """`models.BatchNormMLP` (with `conv`, `models.ConvNet`) trained 3 steps (SGD) on this
+    rank's share of each batch, beside an eager copy trained as DDP trains it without
+    broadcasting buffers (its gradients averaged over the ranks, its norm's statistics of this
+    rank's rows alone, as under FSDP2): the largest relative differences of the losses, and
+    of every parameter and buffer."""
+    from models import BatchNormMLP, ConvNet, batch, conv_batch
 
     torch.manual_seed(0)
-    model, reference = BatchNormMLP(), BatchNormMLP()
+    model, reference = (ConvNet(), ConvNet()) if conv else (BatchNormMLP(), BatchNormMLP())
+    batch = conv_batch if conv else batch
     reference.load_state_dict(model.state_dict())
     piper_fx.prepare(model, options)
     step = torch.compile(model, backend="piper", options=options)

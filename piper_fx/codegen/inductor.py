@@ -135,7 +135,12 @@ def compile_task(task: Task, time_waits: bool = False):
     # Inductor's reorder for peak memory does not know collectives run asynchronously and
     # would move each wait right after its collective, undoing the overlap.
     has_collectives = any(collective_kind(n) is not None for n in task.graph.graph.nodes)
-    with tracing(TracingContext(fake_mode)), inductor_config.patch(reorder_for_peak_memory=not has_collectives):
+    # Each task computes its values in the layouts planning gave them, which the tasks that read
+    # them were compiled for: Inductor's layout optimization would make a convolution's output
+    # channels-last in the task that computes it and not in the one that reads it, compiled apart
+    # (torch.compile compiles a backward after its forward, for the strides the forward made).
+    with tracing(TracingContext(fake_mode)), inductor_config.patch(reorder_for_peak_memory=not has_collectives,
+                                                                   layout_optimization=False):
         compiled = compile_fx_inner(task.graph, example_inputs)
     source = getattr(compiled, "source_code", None) or task.graph.code
     if time_waits and has_waits(task):

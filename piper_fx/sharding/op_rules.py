@@ -6,6 +6,7 @@ holds for (the op then goes on to DTensor's propagator).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -13,6 +14,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ..compat import inductor_prims  # noqa: F401  (the prims of Inductor's decompositions, ruled below)
 from .spec_base import SPEC_KEY, NoRule, alike, aten, fill_value, format_spec
 
 # ---- piper_fx's rules for ops DTensor has no rule for, or none that fits. Each gets the
@@ -173,6 +175,23 @@ def _copy(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     return placed[source], []
 
 
+def _as_strided(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """`aten.as_strided(x, size, stride)` that reads a contiguous `x` as a contiguous tensor of
+    as many rows, from its start: a reshape, each row of the result that row's elements of
+    `x`, so `Shard(0)` from `Shard(0)` (Inductor's decomposition of a group norm reshapes its
+    statistics so). DTensor has no rule for `as_strided`."""
+    source, size, stride = node.args[:3]
+    offset = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset")
+    val = source.meta["val"]
+    if dict(inputs)[source] != Shard(0):
+        raise NoRule("it reads a Shard(0) tensor's rows only")
+    size, stride = list(size), list(stride)
+    if offset or val.dim() == 0 or not val.is_contiguous() or not size or size[0] != val.shape[0] \
+            or stride != list(torch._prims_common.make_contiguous_strides_for(size)) or math.prod(size) != val.numel():
+        raise NoRule("it reads its input otherwise than as a contiguous tensor of as many rows")
+    return Shard(0), []
+
+
 # Ops that make a tensor of one value, or of none yet, alike on every rank: every row of it alike.
 _MADE_ALIKE = {aten.new_empty.default, aten.empty.memory_format, aten.new_empty_strided.default,
                aten.empty_strided.default, aten.new_zeros.default, aten.zeros.default, aten.new_full.default,
@@ -281,6 +300,10 @@ RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any,
     aten._scaled_dot_product_efficient_attention_backward.default: _efficient_attention_backward,
     aten._scaled_dot_product_cudnn_attention.default: _batch_rows,
     aten._scaled_dot_product_cudnn_attention_backward.default: _batch_rows,
+    # Max pooling as Inductor decomposes it: each row's window maxima and their offsets, and
+    # the offsets as indices, from that row alone.
+    torch.ops.prims._low_memory_max_pool_with_offsets.default: _batch_rows,
+    torch.ops.prims._low_memory_max_pool_offsets_to_indices.default: _batch_rows,
     aten.var_mean.correction: _row_statistics,
     torch.ops.prims.convert_element_type.default: _convert_element_type,
     # The embedding backward as Inductor decomposes it: a scatter-add into zeros.
@@ -289,6 +312,7 @@ RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any,
     # rows (e.g. the backward of indexing the batch's rows) is a partial sum.
     aten.index_put.default: _index_put,
     aten.slice_scatter.default: _slice_scatter,
+    aten.as_strided.default: _as_strided,
     aten.copy.default: _copy,
     aten.fill.Tensor: _copy,
     aten.index.Tensor: _index_rows,

@@ -27,8 +27,10 @@ guessed. A call's placement comes from the first of these that applies:
    the graph, `passes.functionalize_random` made them functions of the RNG
    input, which 3 covers). Graph constants (`get_attr`) are `Replicate()`.
 5. piper_fx's rules for ops DTensor has no rule for, or none that fits
-   (`op_rules.RULES`): attention kernels that compute each batch row from that row
-   alone, row statistics (var_mean) and dtype conversions (prims'), which
+   (`op_rules.RULES`): attention kernels and max pooling (Inductor's prims) that
+   compute each batch row from that row alone, an `as_strided` that reshapes rows (a
+   group norm's, as Inductor decomposes it), row statistics (var_mean) and dtype
+   conversions (prims'), which
    DTensor has rules for from torch 2.13 only, scatter-adds whose every rank
    adds its own rows (the embedding backward as Inductor decomposes it),
    the functional copy and fill of a slice assignment (DTensor's rules are the
