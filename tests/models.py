@@ -145,12 +145,13 @@ class BatchNormMLP(nn.Module):
 
 
 class ConvNet(nn.Module):
-    """A small image classifier: convolutions, a `BatchNorm2d` (running statistics it mutates),
-    a `GroupNorm`, max and average pooling, on `conv_batch`'s images."""
+    """A small image classifier: convolutions, a `BatchNorm2d` (running statistics it mutates;
+    with `batch_norm=False` a `GroupNorm`), a `GroupNorm`, max and average pooling, on
+    `conv_batch`'s images."""
 
-    def __init__(self):
+    def __init__(self, batch_norm: bool = True):
         super().__init__()
-        self.conv1, self.norm1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv1, self.norm1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8) if batch_norm else nn.GroupNorm(2, 8)
         self.conv2, self.norm2 = nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.GroupNorm(4, 16)
         self.head = nn.Linear(16, 10)
 

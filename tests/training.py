@@ -772,8 +772,8 @@ def padded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return x, y.masked_fill(mask == 0, -100), mask
 
 
-def batch_norm_worker(rank: int, world: int, options: dict, conv: bool = False) -> dict:
-    """`models.BatchNormMLP` (with `conv`, `models.ConvNet`) trained 3 steps (SGD) on this
+def batch_norm_worker(rank: int, world: int, options: dict, conv: bool = False, batch_norm: bool = True) -> dict:
+    """`models.BatchNormMLP` (with `conv`, `models.ConvNet(batch_norm)`) trained 3 steps (SGD) on this
     rank's share of each batch, beside an eager copy trained as DDP trains it without
     broadcasting buffers (its gradients averaged over the ranks, its norm's statistics of this
     rank's rows alone, as under FSDP2): the largest relative differences of the losses, and
@@ -781,7 +781,7 @@ def batch_norm_worker(rank: int, world: int, options: dict, conv: bool = False) 
     from models import BatchNormMLP, ConvNet, batch, conv_batch
 
     torch.manual_seed(0)
-    model, reference = (ConvNet(), ConvNet()) if conv else (BatchNormMLP(), BatchNormMLP())
+    model, reference = (ConvNet(batch_norm), ConvNet(batch_norm)) if conv else (BatchNormMLP(), BatchNormMLP())
     batch = conv_batch if conv else batch
     reference.load_state_dict(model.state_dict())
     piper_fx.prepare(model, options)

@@ -12,6 +12,8 @@ sends nothing (the first) has no I<s>: its W<s> is the whole backward.
 """
 from __future__ import annotations
 
+import operator
+
 import torch.fx as fx
 
 from ..ir import OutputRole, Task, TaskKind, TrainingDAG
@@ -35,6 +37,10 @@ def _split(task: Task, weight_outputs: set[str]) -> list[Task]:
             continue
         needed.add(node)
         stack.extend(node.all_input_nodes)
+    # A part of a multi-output op lives with it: W reads the part, a tensor, not the op's tuple
+    # (which Inductor cannot return from I; a max pool's offsets, which only W reads), and a
+    # weight's gradient that is a part of an op I runs (a group norm's backward) comes from I.
+    needed |= {n for n in nodes if n.target is operator.getitem and n.args[0] in needed}
     i_nodes = [n for n in nodes if n in needed]
     w_nodes = [n for n in nodes if n not in needed]
     if not i_nodes:
@@ -42,7 +48,8 @@ def _split(task: Task, weight_outputs: set[str]) -> list[Task]:
     w_members = set(w_nodes)
     w_inputs = list(dict.fromkeys(i for n in w_nodes for i in n.all_input_nodes if i not in w_members))
     handed_to_w = [n for n in w_inputs if n.op != "placeholder"]
-    i_outputs = list(dict.fromkeys(input_grads + handed_to_w))
+    made_by_i = [n for n, name in zip(output_nodes, task.outputs) if name in weight_outputs and n in needed]
+    i_outputs = list(dict.fromkeys(input_grads + made_by_i + handed_to_w))
     w_outputs = [n for n in output_nodes if n not in needed]
     i_inputs = [n for n in graph.nodes if n.op == "placeholder" and any(u in needed for u in n.users)]
     return [

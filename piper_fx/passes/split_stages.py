@@ -138,6 +138,11 @@ def _cut_in_order(dag: TrainingDAG, compute: list[fx.Node], weighted: list[fx.No
     for node in weighted:
         holders = [set(dag.kept_holders[p]) for p in reads[node] if p in dag.kept_holders]
         allowed.append([all(ranks_of[s] <= held for held in holders) for s in range(num_stages)])
+    # An op may not start a stage in the middle of one autograd op's decomposition (its ops share
+    # a `seq_nr`): the op's backward is one, which goes to one stage (`_backward_stages`), and the
+    # stage of its first ops would have none (a group norm as Inductor decomposes it).
+    splits_op = [i > 0 and node.meta.get("seq_nr") is not None
+                 and node.meta.get("seq_nr") == weighted[i - 1].meta.get("seq_nr") for i, node in enumerate(weighted)]
     # finishes[i][s][c]: op i may take stage s, where a parameter was read already (c) or not, and
     # the ops after it the rest of s and the stages after, each stage reading a parameter.
     last = num_stages - 1
@@ -149,7 +154,7 @@ def _cut_in_order(dag: TrainingDAG, compute: list[fx.Node], weighted: list[fx.No
                 if i == len(weighted) - 1:
                     rest = s == last and read
                 else:
-                    rest = finishes[i + 1][s][read] or (read and finishes[i + 1][s + 1][False])
+                    rest = finishes[i + 1][s][read] or (read and not splits_op[i + 1] and finishes[i + 1][s + 1][False])
                 finishes[i][s][read_before] = allowed[i][s] and rest
     if not weighted or not finishes[0][0][False]:
         if dag.kept_holders:
@@ -160,7 +165,8 @@ def _cut_in_order(dag: TrainingDAG, compute: list[fx.Node], weighted: list[fx.No
         return {node: balanced[node] for node in weighted}
     stage, previous, read = {}, 0, False
     for i, node in enumerate(weighted):  # the stage nearest the balanced one from which the rest finishes
-        choices = [(0, False)] if i == 0 else [(previous, read)] + ([(previous + 1, False)] if read else [])
+        choices = [(0, False)] if i == 0 else [(previous, read)] + ([(previous + 1, False)] if read and not splits_op[i]
+                                                                     else [])
         previous, read = min(((s, r) for s, r in choices if finishes[i][s][r]),
                              key=lambda choice: (abs(choice[0] - balanced[node]), choice[0]))
         stage[node], read = previous, read or bool(reads[node])
