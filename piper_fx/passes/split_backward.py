@@ -5,7 +5,8 @@ and W actions in the schedule (zero-bubble ones) have their backwards split;
 a stage with both B and I/W actions (DualPipe) keeps B<s> as well.
 Guarantees: every split B<s> is replaced by I<s> (the ops the gradients sent to
 earlier stages need) and W<s> (the rest: parameter gradients and what reduces
-them), which together compute exactly B<s>. I<s> also outputs the values W<s>
+them), which together compute exactly B<s>; a part of a multi-output op (its
+`getitem`) goes with the op. I<s> also outputs the values W<s>
 reads from it, so W can run later on the same rank: deferring W is what fills
 the bubble, at the cost of holding those values longer. A stage whose backward
 sends nothing (the first) has no I<s>: its W<s> is the whole backward.

@@ -13,7 +13,8 @@ Values keep their joint-graph node names across tasks. Stage assignment:
     stages (their count must divide by the number of stages); with no region,
     contiguous runs of the forward ops balanced by estimated cost (FLOPs of
     matmuls and attention, output size otherwise, plus parameter size), each
-    stage with an op reading a parameter.
+    stage with an op reading a parameter, and no cut inside the ops one
+    autograd op decomposes to (a group norm's, under Inductor's decompositions).
     Unannotated ops follow their inputs; parameter-only ops (gathers, views of
     weights) go with their first user; a stage never reads a later stage. A
     part of a multi-output op (its `getitem`) goes with the op, forward and
