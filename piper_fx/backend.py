@@ -232,8 +232,9 @@ def _compiled_before(arguments: list) -> bool:
 
 def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
     """Dynamo's backend: validates the options (on all ranks together, but at a recompile of a
-    model compiled before: `_compiled_before`) and the compiled arguments, starts the code generator's warm-up, and returns the step, which plans and
-    compiles itself on its first call (`DeferredStep`)."""
+    model compiled before: `_compiled_before`) and the compiled arguments, starts the code
+    generator's warm-up, and returns the step, which plans and compiles itself on its first
+    call (`DeferredStep`)."""
     stats = CompileStats(dynamo_trace_s=dynamo_trace_seconds())
     keep_input_sources(gm)  # which inputs are buffers: Dynamo forgets once it is done with the frame
     # The compiled call's arguments as the step sees them: the parameters where Dynamo traced

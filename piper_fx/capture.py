@@ -17,9 +17,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .compat import (FakeTensorMode, ShapeEnv, TracingContext, aot_descriptors as aot_desc,
-                     aot_export_joint_with_descriptors, lazy_graph_modules, make_graph_module, select_decomp_table,
+                     aot_export_joint_with_descriptors, lazy_graph_modules, make_graph_module,
                      tracing)
 from .collectives.emit import INHERITED_META
+from .decompositions import decompositions_for
 from .errors import PiperError
 from .ir import GraphInput, GraphOutput, InputRole, OutputRole, TrainingDAG
 from .ops import LAYER, SOURCE
@@ -66,30 +67,6 @@ def _input_role(example: object, is_buffer: bool) -> InputRole:
     if isinstance(example, nn.Parameter):
         return InputRole.PARAM
     return InputRole.BUFFER if is_buffer else InputRole.INPUT
-
-
-def decompositions_for(strategy: Strategy) -> dict | None:
-    """The ATen decompositions every graph (captured or spliced in by a pass) gets.
-
-    Inductor expects graphs decomposed with its own table; eager runs ATen as is.
-    """
-    if strategy.codegen != "inductor":
-        return None
-    return _inductor_decompositions()
-
-
-# The last table Inductor selected (it depends on its config) and that table without `exponential`.
-_LAST_TABLE: list[tuple[dict, dict]] = []
-
-
-def _inductor_decompositions() -> dict:
-    """Inductor's table, but for `exponential`, which `passes.functionalize_random` draws itself
-    (as it draws it under eager codegen): the table's `-log(u)` of a uniform `u` is another
-    value than the pass's `-log(1 - u)`, which is finite for every `u` it draws in [0, 1)."""
-    table = select_decomp_table()
-    if not _LAST_TABLE or _LAST_TABLE[0][0] is not table:
-        _LAST_TABLE[:] = [(table, {op: fn for op, fn in table.items() if op is not torch.ops.aten.exponential.default})]
-    return _LAST_TABLE[0][1]
 
 
 def symbolic_inputs(gm: fx.GraphModule, example_inputs: list) -> tuple[int, ...]:

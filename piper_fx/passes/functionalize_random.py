@@ -37,7 +37,7 @@ import math
 import torch
 import torch.fx as fx
 
-from ..capture import decompositions_for
+from ..decompositions import decompositions_for
 from ..collectives.emit import insert_traced
 from ..errors import PiperError
 from ..ir import GraphInput, InputRole, TrainingDAG, add_placeholder

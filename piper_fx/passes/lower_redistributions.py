@@ -15,7 +15,7 @@ which collective runs, and over which group, follows from the placements alone.
 """
 from __future__ import annotations
 
-from ..capture import decompositions_for
+from ..decompositions import decompositions_for
 from ..collectives.emit import insert_traced
 from ..collectives.redistribute import Redistribution, is_redistribution, lowering_of
 from ..errors import PiperError

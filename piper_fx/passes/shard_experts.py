@@ -36,7 +36,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
-from ..capture import decompositions_for
+from ..decompositions import decompositions_for
 from ..collectives.emit import insert_traced
 from ..collectives.lowering import fold_expert_grad, repeat_experts
 from ..collectives.redistribute import AVG, state_redistribution
