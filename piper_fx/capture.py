@@ -158,6 +158,14 @@ def _batch_size_symbols(placeholders: list[fx.Node], example_inputs: list) -> se
     return symbols
 
 
+def batch_shapes(gm: fx.GraphModule, example_inputs: list) -> dict[int, tuple[int, ...]]:
+    """The shape of each batch argument (`_is_batch_argument`) that is a tensor, by its index
+    among `example_inputs`, Dynamo's graph `gm`'s inputs."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    return {index: tuple(example.shape) for index, (node, example) in enumerate(zip(placeholders, example_inputs))
+            if isinstance(example, torch.Tensor) and _is_batch_argument(node, example)}
+
+
 def _is_batch_argument(node: fx.Node, example: object) -> bool:
     """Whether the input `node` (example `example`) is a batch argument, split into
     microbatches along dim 0: neither a parameter (nor its program placeholder) nor one of the

@@ -8,7 +8,8 @@ import pytest
 
 import piper_fx
 from ranks import run_ranks_collect
-from training import InjectedFailure, bad_input_worker, failing_step_worker, recompiled_dtype_worker
+from training import InjectedFailure, bad_input_worker, failing_step_worker, mismatched_batches_worker, \
+    recompiled_dtype_worker
 
 TIMEOUT_S = 20  # gloo's timeout for every receive and collective
 # A peer blocked on a rank that keeps running learns of the failure only from gloo's timeout,
@@ -113,3 +114,38 @@ def test_a_dtype_change_recompiles_and_a_stage_it_breaks_is_named_by_its_peers()
     assert last_stage["type"] == "RuntimeError" and "expected target dtype" in last_stage["message"], last_stage
     assert "piper_fx rank 1: failed in task F1.0" in last_stage["notes"], last_stage
     _check_peer(first_stage, 0, 1, "in task F1.0", "RuntimeError: expected target dtype", TIMEOUT_S)
+
+
+PIPELINE = {"codegen": "eager", "pipeline": {"microbatches": 2}}
+
+
+@pytest.mark.parametrize("case", ["pipeline", "experts", "pipeline_later_shape", "experts_later_shape", "dp2_pp2"])
+def test_ranks_that_exchange_batch_sized_messages_called_with_other_batch_shapes_all_raise(case):
+    """Ranks of a pipeline, or of the experts' group, called with batches of different shapes
+    would send each other messages of sizes their peers did not post (gloo ended both processes
+    with `terminate`). Every rank raises a PiperError naming each rank's shapes instead, at the
+    model's first compile and at the compile for a later batch shape. Data-parallel replicas may
+    differ (dp2_pp2: the pipeline of ranks 0 and 2 agrees at 4 rows, that of 1 and 3 does not),
+    and every rank raises, those of the pipeline that agrees too."""
+    pp, ep = {"mesh": {"pp": 2}, **PIPELINE}, {"mesh": {"dp": 2, "ep": 2}, "codegen": "eager"}
+    options, rows, later, world = {
+        "pipeline": (pp, [4, 8], None, 2),
+        "experts": (ep, [4, 8], None, 2),
+        "pipeline_later_shape": (pp, [4, 4], [6, 8], 2),
+        "experts_later_shape": (ep, [4, 4], [6, 8], 2),
+        "dp2_pp2": ({"mesh": {"pp": 2, "dp": 2}, **PIPELINE}, [4, 6, 4, 8], None, 4),
+    }[case]
+    messages = _values(run_ranks_collect(mismatched_batches_worker, world, options, rows, later, deadline_s=300,
+                                         collective_timeout_s=TIMEOUT_S))
+    shown = later or rows
+    mismatched = [1, 3] if case == "dp2_pp2" else [0, 1]
+    group = "the ranks of a pipeline (mesh dimension pp)" if "pipeline" in case or case == "dp2_pp2" else \
+        "the ranks sharing out the experts (mesh dimension ep)"
+    for rank, message in enumerate(messages):
+        assert message.startswith(group) and "must be called with batches of the same shapes" in message, \
+            (rank, message)
+        for peer in mismatched:
+            assert f"rank {peer}: compiled argument" in message and f"of shape ({shown[peer]}, 9)" in message, \
+                (rank, message)
+        if case == "dp2_pp2":  # the pipeline that agrees is not named
+            assert "rank 0:" not in message and "rank 2:" not in message, (rank, message)

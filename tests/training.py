@@ -459,6 +459,31 @@ def batch_shape_change_worker(rank: int, world: int) -> str:
     return "no error"
 
 
+def mismatched_batches_worker(rank: int, world: int, options: dict, rows: list[int],
+                              later_rows: list[int] | None = None) -> str:
+    """One step of the small GPT (with 4 experts under ep) called on this rank with a batch of
+    `rows[rank]` rows, then, if `later_rows`, one of `later_rows[rank]`: the error raised, or
+    "no error"."""
+    experts = options.get("mesh", {}).get("ep", 1) > 1
+    cfg = GPTConfig(**SMALL, tied_embeddings=False, n_expert=4 if experts else 0)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if experts:
+        for module in model.experts():
+            piper_fx.mark_experts(module)
+        model.expert_context = lambda: piper_fx.annotate("EP")
+    if "pipeline" in options:
+        model.block_context = lambda: piper_fx.annotate("PP")
+    piper_fx.prepare(model, options)
+    step = torch.compile(model, backend="piper", options=options)
+    try:
+        for each in [rows] + ([later_rows] if later_rows else []):
+            step(*global_batch(0, each[rank], cfg)).backward()
+    except piper_fx.PiperError as e:
+        return str(e)
+    return "no error"
+
+
 def one_step_with_dumps_worker(rank: int, world: int, options: dict) -> None:
     cfg = GPTConfig(**SMALL, tied_embeddings=False)
     torch.manual_seed(0)

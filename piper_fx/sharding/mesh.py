@@ -63,6 +63,17 @@ def strategy_mesh(strategy: Strategy) -> DeviceMesh:
     return meshes[(pp, dp, ep)]
 
 
+def rank_groups(strategy: Strategy, dim: str) -> list[list[int]]:
+    """The ranks of each of `strategy`'s groups along mesh dimension `dim` ("pp" or "ep"), laid
+    out as `strategy_mesh` lays them, without building it."""
+    dp, pp, ep = strategy.dp, strategy.pp, strategy.ep
+    if dim == "pp":
+        return [[stage * dp + index for stage in range(pp)] for index in range(dp)]
+    if dim == "ep":
+        return [[stage * dp + first + shard for shard in range(ep)] for stage in range(pp) for first in range(0, dp, ep)]
+    raise ValueError(f"no rank groups along mesh dimension {dim!r}")
+
+
 def _group_name(strategy: Strategy, dim: str, size: int) -> str | None:
     if size == 1:
         return None
