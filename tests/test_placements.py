@@ -296,6 +296,25 @@ def test_a_view_folding_one_row_of_a_transposed_batch_keeps_the_rows_sharded():
     assert _specs(graph, torch.ops.aten.view.default) == [Shard(0)]
 
 
+def test_a_view_folding_one_row_of_keys_expanded_over_the_heads_keeps_the_rows_sharded():
+    # Falcon's and Gemma 2's one key head expanded over the query's heads, then viewed as rows
+    # of heads by matmul's decomposition: with one row per rank (ZBV's microbatches) DTensor
+    # was asked about a global tensor laid out heads-outside-rows, which no view folds.
+    graph = _propagate(lambda k: k.expand(1, 2, 8, 16).view(2, 8, 16) * 2, ((1, 1, 8, 16), Shard(0)))
+    assert _specs(graph, torch.ops.aten.view.default) == [Shard(0)]
+
+
+def test_a_reversal_keeps_the_placement_of_the_dimensions_it_does_not_reverse():
+    # `prims.rev`, Inductor's decomposition of `flip` (Qwen3-Next's gated delta rule).
+    rev = torch.ops.prims.rev.default
+    graph = _propagate(lambda x: rev(x, [1, 2]) * 2, ((4, 3, 5), Shard(0)))
+    assert _specs(graph, rev) == [Shard(0)]
+    graph = _propagate(lambda x: rev(x * 2, [2]), ((4, 3, 5), Partial("sum")))
+    assert _specs(graph, rev) == [Partial("sum")]
+    with pytest.raises(PiperError, match="prims.rev.default"):
+        _propagate(lambda x: rev(x, [0]) * 2, ((4, 3, 5), Shard(0)))
+
+
 def test_a_slice_backward_into_zeros_keeps_the_rows_sharded():
     # Inductor's slice backward: the gradient's rows scattered into zeros, which are this
     # rank's rows of zeros as well as replicated ones (DTensor's rule follows the zeros).
@@ -511,3 +530,50 @@ def test_piper_fx_rules_for_ops_earlier_dtensor_lacks_answer_as_dtensor_does(pla
                 spec, [(a.name, p) for a, p in reads]), (node.target, ours, spec, reads)
         if ours is not None:
             assert node.meta[SPEC_KEY] == ours[0]
+
+
+def _layouts():
+    """A tensor of one row (dim 0, as a rank's microbatch of one row is) in any layout: its
+    dimensions in any order in memory, some broadcast (stride 0), as `expand` and `transpose`
+    make them."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def layout(draw):
+        ndim = draw(st.integers(2, 4))
+        shape = [1] + [draw(st.integers(1, 3)) for _ in range(ndim - 1)]
+        order = draw(st.permutations(range(ndim)))  # innermost first
+        stride, step = [0] * ndim, 1
+        for d in order:
+            stride[d], step = step, step * shape[d]
+        for d in range(1, ndim):
+            if draw(st.booleans()) and draw(st.booleans()):
+                stride[d] = 0  # broadcast
+        return shape, stride
+    return layout()
+
+
+def test_the_global_tensor_of_one_row_folds_wherever_the_row_does():
+    """`dtensor_rules._meta`: DTensor is asked about the global tensor of a rank's rows, whose
+    strides piper_fx makes up. A view that folds two neighbouring dimensions of a rank's one
+    row (as `view`s traced with one row a microbatch do: matmul's decomposition folding the
+    batch with the heads) must fold the made-up global tensor too: else DTensor's propagator
+    fails on a view the program runs (Falcon and Gemma 2 under ZBV, keys of one row expanded
+    over the heads; before, broadcast dimensions were ordered outer-last)."""
+    from hypothesis import given, settings
+
+    from piper_fx.sharding.dtensor_rules import _meta
+
+    @settings(max_examples=300, deadline=None)
+    @given(_layouts())
+    def check(layout):
+        shape, stride = layout
+        row = torch.empty_strided(shape, stride)
+        meta = _meta(row, Shard(0), 2)
+        assert list(meta.shape) == [2] + shape[1:]
+        try:  # the batch's dimension folded with the next
+            row.view([shape[0] * shape[1]] + shape[2:])
+        except RuntimeError:
+            return
+        torch.empty_strided(meta.shape, meta.stride).view([meta.shape[0] * meta.shape[1]] + shape[2:])
+    check()

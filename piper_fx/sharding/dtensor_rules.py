@@ -27,20 +27,28 @@ def _sharded_dim(placement: Any) -> int | None:
 
 def _meta(val: torch.Tensor, placement: Placement, ranks: int | None) -> TensorMeta:
     """`val`'s metadata; with `ranks`, the global tensor's: its sharded dimension `ranks`
-    times this rank's, strides in the same order. A dimension of size 1 has no order of its
-    own (its stride is never stepped): it is taken to sit just outside the next one, so the
-    views that fold it with the next dimension on this rank fold the global tensor too (with
-    one row a rank, matmul's decomposition views a transposed batch as rows of heads)."""
+    times this rank's, strides in the same order: by stride, and of dimensions of one stride
+    (broadcast ones, of stride 0) the later inner, as in a contiguous tensor. A dimension of
+    size 1 has no order of its own (its stride is never stepped): it is taken to sit just
+    outside the next one, so the views that fold it with the next dimension on this rank fold
+    the global tensor too (with one row a rank, matmul's decomposition views a transposed
+    batch as rows of heads, and one row of keys expanded over a query's heads as rows of
+    heads: Falcon, Gemma 2)."""
     shape, dim = list(val.shape), _sharded_dim(placement)
     if ranks is None or dim is None:
         return TensorMeta(val.shape, val.stride(), val.dtype)
-    order = list(val.stride())
-    for d in reversed(range(len(shape) - 1)):
-        if shape[d] == 1:
-            order[d] = order[d + 1] * shape[d + 1]
+    # Each dimension's place, innermost first: by stride, of one stride the later first; a
+    # dimension of size 1 just outside the next one.
+    order: list[tuple[int, int, int]] = [(0, 0, 0)] * len(shape)
+    for d in reversed(range(len(shape))):
+        if shape[d] == 1 and d + 1 < len(shape):
+            stride_of_next, next_dim, outside = order[d + 1]
+            order[d] = (stride_of_next, next_dim, outside + 1)
+        else:
+            order[d] = (val.stride(d), -d, 0)
     shape[dim] *= ranks
     stride, step = [0] * len(shape), 1
-    for d in sorted(range(len(shape)), key=lambda d: (order[d], d)):  # innermost first
+    for d in sorted(range(len(shape)), key=order.__getitem__):  # innermost first
         stride[d], step = step, step * shape[d]
     return TensorMeta(torch.Size(shape), tuple(stride), val.dtype)
 

@@ -192,6 +192,18 @@ def _as_strided(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     return Shard(0), []
 
 
+def _rev(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """`prims.rev(x, dims)`, Inductor's decomposition of `flip` (Qwen3-Next's gated delta rule
+    reverses its chunks' cumulative decays): each element moves along `dims` alone, so a
+    placement over another dimension stays, and a partial value stays partial (a permutation
+    is linear). DTensor has no rule for it."""
+    (source, placement), = inputs
+    dims = [d % max(source.meta["val"].dim(), 1) for d in node.args[1]]
+    if isinstance(placement, Shard) and placement.dim in dims:
+        raise NoRule("it reverses the dimension its input is sharded on")
+    return placement, []
+
+
 # Ops that make a tensor of one value, or of none yet, alike on every rank: every row of it alike.
 _MADE_ALIKE = {aten.new_empty.default, aten.empty.memory_format, aten.new_empty_strided.default,
                aten.empty_strided.default, aten.new_zeros.default, aten.zeros.default, aten.new_full.default,
@@ -313,6 +325,7 @@ RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any,
     aten.index_put.default: _index_put,
     aten.slice_scatter.default: _slice_scatter,
     aten.as_strided.default: _as_strided,
+    torch.ops.prims.rev.default: _rev,
     aten.copy.default: _copy,
     aten.fill.Tensor: _copy,
     aten.index.Tensor: _index_rows,
