@@ -140,11 +140,13 @@ class Send:
     microbatch: int | None
     peer: int
     tag: int
-    nbytes: int = 0
+    nbytes: int = 0  # what travels
     order: tuple[int, ...] | None = None  # the value's `memory_order`: it travels in that order
+    broadcast: tuple[int, ...] = ()  # its `broadcast_dims`: it travels with one element along each
 
     def __str__(self) -> str:
-        return f"send  {self.value}{_mb(self.microbatch)} -> rank {self.peer} (tag {self.tag}){_order(self.order)}"
+        return (f"send  {self.value}{_mb(self.microbatch)} -> rank {self.peer} (tag {self.tag})"
+                f"{_order(self.order)}{_broadcast(self.broadcast)}")
 
 
 @dataclass(frozen=True)
@@ -165,35 +167,81 @@ class Recv:
     # The value's `memory_order`: it arrives in that order and is read through the inverse
     # permutation, with the strides its readers were compiled for.
     order: tuple[int, ...] | None = None
+    # Its `broadcast_dims`: it arrives with one element along each, and is read expanded along
+    # them (stride 0), as its readers were compiled for it.
+    broadcast: tuple[int, ...] = ()
+    # For a value laid out with gaps (a slice of a larger tensor), its strides (its wire
+    # shape's, `wire_shape`), which its readers were compiled for: it arrives contiguous and is
+    # copied into them. None for a dense value.
+    stride: tuple[int, ...] | None = None
 
     def __str__(self) -> str:
         verb = "recv+" if self.accumulate else "recv "
-        return f"{verb} {self.value}{_mb(self.microbatch)} <- rank {self.peer} (tag {self.tag}){_order(self.order)}"
+        return (f"{verb} {self.value}{_mb(self.microbatch)} <- rank {self.peer} (tag {self.tag})"
+                f"{_order(self.order)}{_broadcast(self.broadcast)}")
 
 
 Instruction = Union[Run, Send, Recv]
+
+def is_row_major(shape: Sequence[int], stride: Sequence[int], dims: Sequence[int] | None = None) -> bool:
+    """Whether a tensor of `shape` and `stride` is dense with its `dims` (all, in order, by
+    default) from outermost to innermost: contiguous, for all dims in order."""
+    expected = 1
+    for dim in reversed(range(len(shape)) if dims is None else dims):
+        if shape[dim] != 1 and stride[dim] != expected:
+            return False
+        expected *= shape[dim]
+    return True
+
 
 def memory_order(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...] | None:
     """The dims of a dense tensor laid out other than row-major (such as attention's
     output, the transpose of a contiguous tensor), from outermost to innermost in
     memory: `tensor.permute(order)` is contiguous. None for a contiguous tensor, and
     for one that is not dense (it travels as a contiguous copy)."""
-    def row_major(dims: Sequence[int]) -> bool:
-        expected = 1
-        for dim in reversed(dims):
-            if shape[dim] != 1 and stride[dim] != expected:
-                return False
-            expected *= shape[dim]
-        return True
-
-    if row_major(range(len(shape))):
+    if is_row_major(shape, stride):
         return None
     order = tuple(sorted(range(len(shape)), key=lambda dim: -stride[dim]))
-    return order if row_major(order) else None
+    return order if is_row_major(shape, stride, order) else None
+
+
+def broadcast_dims(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
+    """The dims a value is broadcast along, an `expand`'s (stride 0, more than one element):
+    it is the same along each, so it travels with one element along each (its `wire_shape`)
+    and is expanded back, with the strides its readers were compiled for."""
+    return tuple(dim for dim, (size, step) in enumerate(zip(shape, stride)) if step == 0 and size > 1)
+
+
+def wire_shape(shape: Sequence[int], broadcast: Sequence[int]) -> tuple[int, ...]:
+    """The shape a value of `shape` travels in: one element along each of its `broadcast` dims."""
+    return tuple(1 if dim in broadcast else size for dim, size in enumerate(shape))
+
+
+def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether a tensor of `shape` and `stride` is dense (no element twice, no gaps), in any
+    order in memory."""
+    return not broadcast_dims(shape, stride) and (is_row_major(shape, stride) or memory_order(shape, stride) is not None)
+
+
+def message_layout(shape: Sequence[int], stride: Sequence[int]
+                   ) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple[int, ...] | None]:
+    """How a value of `shape` and `stride` travels between ranks: the dims it is broadcast
+    along (`broadcast_dims`), the order its `wire_shape` travels in (`memory_order`), and,
+    for a value whose wire shape has gaps in memory (a slice of a larger tensor), its strides
+    (`Recv.stride`), else None."""
+    broadcast = broadcast_dims(shape, stride)
+    wire = wire_shape(shape, broadcast)
+    order = memory_order(wire, stride)
+    dense = order is not None or is_row_major(wire, stride)
+    return broadcast, order, None if dense else tuple(stride)
 
 
 def _order(order: tuple[int, ...] | None) -> str:
     return "" if order is None else f" in dim order {order}"
+
+
+def _broadcast(broadcast: tuple[int, ...]) -> str:
+    return f" broadcast along {broadcast}" if broadcast else ""
 
 
 def _mb(microbatch: int | None) -> str:

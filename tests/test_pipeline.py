@@ -1,9 +1,12 @@
 """Pipelines (GPipe, 1F1B, interleaved 1F1B), alone and with DP/ZeRO, equal single-process training."""
 
+import math
 import os
 import re
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import piper_fx
 
@@ -149,6 +152,65 @@ def test_a_batch_that_does_not_split_into_the_microbatches_is_a_clear_error():
     from training import batch_shape_change_worker
     for message in run_ranks(batch_shape_change_worker, 2, deadline_s=120):
         assert "a batch of 5 does not split into 2 microbatches (options['pipeline']['microbatches'])" in message
+
+
+@st.composite
+def _laid_out(draw) -> torch.Tensor:
+    """A tensor laid out as a stage's output may be: a transpose (dims in any order in memory),
+    a slice of a larger tensor (gaps), broadcast along dims (an `expand`'s stride 0)."""
+    ndim = draw(st.integers(1, 4))
+    shape = [draw(st.integers(1, 3)) for _ in range(ndim)]
+    order = draw(st.permutations(range(ndim)))  # outermost first in memory
+    wider = [size + draw(st.sampled_from((0, 0, 2))) for size in shape]  # a slice of a wider tensor
+    base = torch.arange(math.prod(wider[d] for d in order), dtype=torch.float32)
+    value = base.view([wider[d] for d in order]).permute([order.index(d) for d in range(ndim)])
+    value = value[tuple(slice(0, size) for size in shape)]
+    for dim in range(ndim):
+        if value.shape[dim] == 1 and draw(st.booleans()):
+            shape[dim] = 3
+    return value.expand(shape)
+
+
+@given(_laid_out())
+@settings(max_examples=300, deadline=None)
+def test_a_value_arrives_as_its_readers_were_compiled_for_it(value):
+    """A value sent to another stage arrives with the values and the strides its readers
+    were compiled for, which Inductor's code asserts (Falcon's keys expanded over the heads,
+    and Qwen3-Next's slices of one projection, crossed stages contiguous and failed it)."""
+    from piper_fx.ir import Recv, Send, message_layout
+    from piper_fx.runtime.p2p import Receiving, wire_tensor
+    from piper_fx.runtime.timing import StepTimeline
+
+    broadcast, order, stride = message_layout(value.shape, value.stride())
+    wire = wire_tensor(value, Send("v", None, 1, 0, 0, order, broadcast))
+    assert wire.is_contiguous() and wire.numel() <= value.numel()
+    receiving = Receiving(Recv("v", None, 0, 0, tuple(value.shape), value.dtype, order=order, broadcast=broadcast,
+                               stride=stride))
+    assert receiving.received.is_contiguous() and receiving.received.shape == wire.shape
+    receiving.received.copy_(wire)  # what the transport does
+
+    class Arrived:
+        def wait(self, message):
+            pass
+
+    receiving.issued = (Arrived(), 0)
+    arrived = receiving.wait(StepTimeline(rank=1))
+    assert torch.equal(arrived, value)
+    assert all(a == b for a, b, size in zip(arrived.stride(), value.stride(), value.shape) if size > 1), \
+        (arrived.stride(), value.stride(), value.shape)
+
+
+@given(_laid_out(), st.sampled_from(("contiguous", "reversed")))
+@settings(max_examples=300, deadline=None)
+def test_a_value_computed_in_other_strides_is_laid_out_as_its_reader_was_compiled_for(value, made):
+    """`runtime.layouts.laid_out`: a task's input computed dense by another task (Inductor
+    makes a returned broadcast view a copy) is given to it in the strides it was traced with."""
+    from piper_fx.runtime.layouts import laid_out, same_strides
+
+    computed = value.contiguous() if made == "contiguous" else \
+        value.permute(*reversed(range(value.dim()))).contiguous().permute(*reversed(range(value.dim())))
+    given_to_reader = laid_out(computed, value.shape, value.stride())
+    assert torch.equal(given_to_reader, value) and same_strides(given_to_reader, value.shape, value.stride())
 
 
 def test_memory_order_names_the_layout_a_value_travels_in():

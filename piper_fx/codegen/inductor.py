@@ -18,8 +18,9 @@ import torch.fx as fx
 
 from ..compat import (TracingContext, check_vec_isa, compile_fx_inner, inductor_cache_dir, inductor_config,
                       supported_vec_isa_list, tracing, valid_vec_isa_list, x86_isa_checker)
-from ..ir import Task
+from ..ir import Task, is_dense
 from ..ops import WAIT, collective_kind
+from ..runtime.layouts import laid_out
 from ..runtime.timing import WaitTimer
 
 
@@ -143,9 +144,28 @@ def compile_task(task: Task, time_waits: bool = False):
                                                                    layout_optimization=False):
         compiled = compile_fx_inner(task.graph, example_inputs)
     source = getattr(compiled, "source_code", None) or task.graph.code
+    compiled = _laying_out_inputs(compiled, example_inputs)
     if time_waits and has_waits(task):
         return timing_waits(compiled), source
     return compiled, source
+
+
+def _laying_out_inputs(compiled, example_inputs: list):
+    """`compiled`, given each of its inputs that is neither dense nor contiguous as traced
+    (broadcast along a dim, or with gaps) in the strides it was compiled for (`laid_out`): a
+    task computes its outputs dense, so another task's broadcast view (Falcon's keys expanded
+    over the heads, kept for the backward) reaches it as a copy, which its input check
+    refuses. The inputs traced dense come as traced (Inductor keeps their order in memory)."""
+    layouts = [(index, tuple(value.shape), tuple(value.stride())) for index, value in enumerate(example_inputs)
+               if isinstance(value, torch.Tensor) and not is_dense(value.shape, value.stride())]
+    if not layouts:
+        return compiled
+
+    def run(args: list):
+        for index, shape, stride in layouts:
+            args[index] = laid_out(args[index], shape, stride)
+        return compiled(args)
+    return run
 
 
 def has_waits(task: Task) -> bool:

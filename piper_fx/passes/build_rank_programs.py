@@ -35,10 +35,11 @@ one rank running P0, F0, B0, E0 (those that exist).
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 from ..ir import (InputRole, Instruction, OutputRole, RankProgram, Recv, Run, Send, Task, TaskKind,
-                  TrainingDAG, memory_order)
+                  TrainingDAG, message_layout, wire_shape)
 from ..options import Strategy
 from ..schedules import PAIR_SEPARATOR, Action, Schedule
 from .task_graphs import fuse_tasks
@@ -143,13 +144,15 @@ class _Transfers:
 
     def send(self, name: str, microbatch: int | None, peer: int, tag: int) -> Send:
         val = self.joint_nodes[name].meta["val"]
-        return Send(name, microbatch, self.global_rank(peer), tag, val.numel() * val.element_size(),
-                    memory_order(val.shape, val.stride()))
+        broadcast, order, _ = message_layout(val.shape, val.stride())
+        nbytes = math.prod(wire_shape(val.shape, broadcast)) * val.element_size()
+        return Send(name, microbatch, self.global_rank(peer), tag, nbytes, order, broadcast)
 
     def recv(self, name: str, microbatch: int | None, peer: int, tag: int, accumulate: bool = False) -> Recv:
         val = self.joint_nodes[name].meta["val"]
+        broadcast, order, stride = message_layout(val.shape, val.stride())
         return Recv(name, microbatch, self.global_rank(peer), tag, tuple(val.shape), val.dtype, accumulate,
-                    val.device, memory_order(val.shape, val.stride()))
+                    val.device, order=order, broadcast=broadcast, stride=stride)
 
     def receives(self, task: Task, microbatch: int | None, pp_rank: int,
                  received: set[tuple[str, int | None]]) -> list[Instruction]:

@@ -272,8 +272,8 @@ class ProgramExecutor:
                 position.receiving = posted.instruction
                 buffer = posted.wait(timeline)
                 position.receiving = None
-                if counting:
-                    memory.release(buffer)  # no longer in flight: counted as a value below
+                if counting:  # no longer in flight: counted as a value below (or its copy, `Receiving.wait`)
+                    memory.release(posted.buffer)
                 if posted.instruction.accumulate:
                     values.accumulate(slot, buffer)
                 else:

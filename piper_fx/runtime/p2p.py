@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..ir import Recv, Send
+from ..ir import Recv, Send, wire_shape
+from .layouts import laid_out
 from .timing import COMM_WAIT, StepTimeline
 
 
@@ -19,17 +20,24 @@ class Receiving:
     def __init__(self, instruction: Recv):
         self.instruction = instruction
         order = instruction.order
-        wire = instruction.shape if order is None else tuple(instruction.shape[dim] for dim in order)
+        wire = wire_shape(instruction.shape, instruction.broadcast)
+        wire = wire if order is None else tuple(wire[dim] for dim in order)
         self.received = torch.empty(wire, dtype=instruction.dtype, device=instruction.device)
         self.issued: tuple[Issued, int] | None = None  # its batch and place in it, once issued
-        # The value as its readers were compiled for it: the received rows read in `order`.
+        # The received rows read in `order`: the buffer the message fills, as its readers read it.
         self.buffer = self.received if order is None else self.received.permute(_inverse(order))
 
     def wait(self, timeline: StepTimeline) -> torch.Tensor:
+        """The value as its readers were compiled for it, once it has arrived: the buffer,
+        copied into the strides of a value with gaps (`Recv.stride`), expanded along the dims
+        it is broadcast along (`Recv.broadcast`)."""
         with timeline.span(f"recv {self.instruction.value}", COMM_WAIT, "recv"):
             batch, message = self.issued
             batch.wait(message)
-        return self.buffer
+        value, instruction = self.buffer, self.instruction
+        if instruction.stride is not None:
+            value = laid_out(value, value.shape, instruction.stride)
+        return value.expand(instruction.shape) if instruction.broadcast else value
 
 
 class Issued:
@@ -121,5 +129,8 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def wire_tensor(tensor: torch.Tensor, send: Send) -> torch.Tensor:
-    """What a send puts on the wire: `tensor` in its memory order (`Send.order`), contiguous."""
+    """What a send puts on the wire: `tensor`'s first element along each dim it is broadcast
+    along (`Send.broadcast`), in its memory order (`Send.order`), contiguous."""
+    for dim in send.broadcast:
+        tensor = tensor.narrow(dim, 0, 1)
     return (tensor if send.order is None else tensor.permute(send.order)).contiguous()
