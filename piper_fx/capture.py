@@ -9,7 +9,9 @@ meaning comes from the compiled call's example inputs (which are the real
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+from typing import Sequence
 
 import torch
 import torch.fx as fx
@@ -314,11 +316,16 @@ _FIXED_BATCH = (
     "arguments of the function you compile before each call (torch._dynamo.mark_dynamic(x, 0))")
 
 
-def _not_one_scalar_loss(differentiable: int, shape: tuple | None, microbatches: int) -> PiperError:
+def _not_one_scalar_loss(differentiable: int, shape: tuple | None, microbatches: int,
+                         others: Sequence[str] = ()) -> PiperError:
     return PiperError(
         f"the compiled graph returns {differentiable} differentiable outputs, the first of shape "
         f"{shape}; piper_fx runs whole training steps and needs the model to return its scalar "
-        "loss first and nothing else that requires grad. A graph break also splits the model "
+        "loss first and nothing else that requires grad"
+        + (f" (beside the loss it returns {'; '.join(others)}: a tensor the model keeps from its forward, "
+           "on a module's attribute say, as a recurrent state or a key and value cache, is returned from "
+           "Dynamo's graph too; keep none in training (a Hugging Face model's cache: use_cache=False)" if others else "")
+        + ". A graph break also splits the model "
         "into graphs that do not end in the loss: compile with fullgraph=True to find it"
         + (". Under a pipeline, piper_fx.prepare marks the batch size dynamic in a hook of the "
            "module it prepared, which breaks a function compiled around its call there: compile "
@@ -338,6 +345,19 @@ def _check_first_output_is_a_scalar(gm: fx.GraphModule, microbatches: int) -> No
         first = values[0]
         raise _not_one_scalar_loss(len(differentiable), tuple(first.shape) if isinstance(first, torch.Tensor) else None,
                                    microbatches)
+    if len(differentiable) > 1:  # the scalar loss, and more
+        made = [_made_where(node) for node in outputs[1:] if isinstance(node, fx.Node)
+                and isinstance(value := node.meta.get("example_value"), torch.Tensor) and value.requires_grad]
+        raise _not_one_scalar_loss(len(differentiable), (), microbatches, made)
+
+
+def _made_where(node: fx.Node) -> str:
+    """`node`, with the line of the model that made it (the last frame of its stack trace)."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in ([^\n]+)(?:\n[ \t]+([^\n]*))?', node.meta.get("stack_trace") or "")
+    if not frames:
+        return node.name
+    path, line, function, code = frames[-1]
+    return f"{node.name}, made at {os.path.basename(path)}:{line} in {function}" + (f" ({code.strip()})" if code else "")
 
 
 def _check_one_scalar_loss(joint: fx.GraphModule, inputs: list[GraphInput], outputs: list[GraphOutput],

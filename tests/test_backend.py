@@ -195,6 +195,28 @@ def test_graph_break_is_refused_with_a_hint():
         torch.compile(broken, backend="piper", options={**EAGER, "pipeline": {"microbatches": 2}})(torch.randn(3, 3))
 
 
+class KeepsItsState(torch.nn.Module):
+    """A recurrence that keeps its last state on itself, as RecurrentGemma's RG-LRU does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+        self.state = None
+
+    def forward(self, x):
+        state = torch.tanh(self.fc(x))
+        self.state = state
+        return state.square().mean()
+
+
+def test_a_tensor_the_model_keeps_from_its_forward_is_refused_naming_where_it_is_made():
+    """Dynamo returns a tensor stored on a module from the graph, beside the loss: the error
+    names it and the line that made it, before anything is traced."""
+    with pytest.raises(PiperError, match=r"beside the loss it returns state, made at test_backend.py:\d+ in "
+                                         r"forward \(state = torch.tanh\(self.fc\(x\)\)\)"):
+        torch.compile(KeepsItsState(), backend="piper", options=EAGER)(torch.randn(2, 3))
+
+
 def test_debug_dumps_show_every_stage(tmp_path):
     model = _model()
     step = torch.compile(model, backend="piper", options={**EAGER, "debug_dir": str(tmp_path)})
