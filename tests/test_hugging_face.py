@@ -55,6 +55,25 @@ def test_a_mixture_of_experts_trains_as_one_process_does():
     _check_parity(run_ranks(hf_parity_worker, 2, "ernie4_5_moe", ZERO3))
 
 
+def test_linear_attention_beside_full_attention_trains_as_one_process_does():
+    """Qwen3-Next. Its gated delta rule's backward laid a result out otherwise than its fake
+    value was traced (`softplus_backward` of inputs of two layouts), and the eager code's view
+    of it then failed; the eager code makes views as reshapes (`codegen.eager`). Inductor
+    decomposes its `flip` to `prims.rev`, which has a rule of piper_fx's (`op_rules._rev`)."""
+    _check_parity(run_ranks(hf_parity_worker, 2, "qwen3_next", ZERO3))
+
+
+def test_keys_expanded_over_the_heads_train_in_microbatches_of_one_row_under_inductor():
+    """Falcon under ZBV with Inductor, in 4 microbatches of one row. Its one key head expanded
+    over the query's heads and viewed as rows of heads, which DTensor refused for the global
+    tensor piper_fx described to it (`dtensor_rules._meta`). Those keys crossed stages (they
+    travel broadcast: `ir.message_layout`), and a stage's forward returned them, kept for its
+    backward, as a dense copy, which the backward's compiled input check refused
+    (`runtime.layouts`)."""
+    zbv = {"mesh": {"pp": 2}, "codegen": "inductor", "pipeline": {"schedule": "zbv", "microbatches": 4}}
+    _check_parity(run_ranks(hf_parity_worker, 2, "falcon", zbv))
+
+
 @pytest.mark.parametrize("name, strategy", PADDED, ids=[f"{name}-{strategy}" for name, strategy in PADDED])
 def test_a_padded_batch_trains_as_one_process_does(name, strategy):
     """The model called with its attention mask, every other row padded. Hugging Face's masks

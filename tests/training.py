@@ -772,6 +772,24 @@ HUGGING_FACE = {
     # a recurrence of sequence length steps).
     "mamba": _tiny("MambaForCausalLM", "MambaConfig", vocab_size=LLAMA["vocab_size"], hidden_size=32, state_size=8,
                    num_hidden_layers=2, expand=2, conv_kernel=4),
+    # Linear attention (a gated delta rule over chunks, which reverses their cumulative decays)
+    # beside full attention, and experts with a shared one.
+    "qwen3_next": _tiny("Qwen3NextForCausalLM", "Qwen3NextConfig", **_DECODER, num_key_value_heads=1, head_dim=16,
+                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32, linear_num_value_heads=2, linear_num_key_heads=2,
+                        linear_key_head_dim=8, linear_value_head_dim=8,
+                        layer_types=["linear_attention", "full_attention"]),
+    # One key and value head expanded over the query's heads, attention and MLP side by side.
+    "falcon": _tiny("FalconForCausalLM", "FalconConfig", vocab_size=LLAMA["vocab_size"], hidden_size=32,
+                    num_hidden_layers=2, num_attention_heads=2, hidden_dropout=0.0, attention_dropout=0.0),
+    # Sliding-window layers and soft-capped attention scores and logits.
+    "gemma2": _tiny("Gemma2ForCausalLM", "Gemma2Config", **_DECODER, num_key_value_heads=1, head_dim=16,
+                    sliding_window=4, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    # Mamba layers and an attention layer, experts in every other layer.
+    "jamba": _tiny("JambaForCausalLM", "JambaConfig", vocab_size=LLAMA["vocab_size"], hidden_size=32,
+                   intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   num_experts=2, num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+                   expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2),
 }
 
 
