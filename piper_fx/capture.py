@@ -324,7 +324,8 @@ def _not_one_scalar_loss(differentiable: int, shape: tuple | None, microbatches:
         "loss first and nothing else that requires grad"
         + (f" (beside the loss it returns {'; '.join(others)}: a tensor the model keeps from its forward, "
            "on a module's attribute say, as a recurrent state or a key and value cache, is returned from "
-           "Dynamo's graph too; keep none in training (a Hugging Face model's cache: use_cache=False)" if others else "")
+           "Dynamo's graph too; keep none in training (a Hugging Face model's cache: use_cache=False)"
+           if others else "")
         + ". A graph break also splits the model "
         "into graphs that do not end in the loss: compile with fullgraph=True to find it"
         + (". Under a pipeline, piper_fx.prepare marks the batch size dynamic in a hook of the "
@@ -353,11 +354,13 @@ def _check_first_output_is_a_scalar(gm: fx.GraphModule, microbatches: int) -> No
 
 def _made_where(node: fx.Node) -> str:
     """`node`, with the line of the model that made it (the last frame of its stack trace)."""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in ([^\n]+)(?:\n[ \t]+([^\n]*))?', node.meta.get("stack_trace") or "")
+    frames = re.findall(r'File "([^"]+)", line (\d+), in ([^\n]+)(?:\n[ \t]+([^\n]*))?',
+                        node.meta.get("stack_trace") or "")
     if not frames:
         return node.name
     path, line, function, code = frames[-1]
-    return f"{node.name}, made at {os.path.basename(path)}:{line} in {function}" + (f" ({code.strip()})" if code else "")
+    made = f"{node.name}, made at {os.path.basename(path)}:{line} in {function}"
+    return f"{made} ({code.strip()})" if code else made
 
 
 def _check_one_scalar_loss(joint: fx.GraphModule, inputs: list[GraphInput], outputs: list[GraphOutput],

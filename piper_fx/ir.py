@@ -183,6 +183,7 @@ class Recv:
 
 Instruction = Union[Run, Send, Recv]
 
+
 def is_row_major(shape: Sequence[int], stride: Sequence[int], dims: Sequence[int] | None = None) -> bool:
     """Whether a tensor of `shape` and `stride` is dense with its `dims` (all, in order, by
     default) from outermost to innermost: contiguous, for all dims in order."""
@@ -198,7 +199,7 @@ def memory_order(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]
     """The dims of a dense tensor laid out other than row-major (such as attention's
     output, the transpose of a contiguous tensor), from outermost to innermost in
     memory: `tensor.permute(order)` is contiguous. None for a contiguous tensor, and
-    for one that is not dense (it travels as a contiguous copy)."""
+    for one that is not dense (`is_dense`)."""
     if is_row_major(shape, stride):
         return None
     order = tuple(sorted(range(len(shape)), key=lambda dim: -stride[dim]))
@@ -220,7 +221,8 @@ def wire_shape(shape: Sequence[int], broadcast: Sequence[int]) -> tuple[int, ...
 def is_dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
     """Whether a tensor of `shape` and `stride` is dense (no element twice, no gaps), in any
     order in memory."""
-    return not broadcast_dims(shape, stride) and (is_row_major(shape, stride) or memory_order(shape, stride) is not None)
+    return not broadcast_dims(shape, stride) and (is_row_major(shape, stride)
+                                                  or memory_order(shape, stride) is not None)
 
 
 def message_layout(shape: Sequence[int], stride: Sequence[int]
@@ -231,9 +233,7 @@ def message_layout(shape: Sequence[int], stride: Sequence[int]
     (`Recv.stride`), else None."""
     broadcast = broadcast_dims(shape, stride)
     wire = wire_shape(shape, broadcast)
-    order = memory_order(wire, stride)
-    dense = order is not None or is_row_major(wire, stride)
-    return broadcast, order, None if dense else tuple(stride)
+    return broadcast, memory_order(wire, stride), None if is_dense(wire, stride) else tuple(stride)
 
 
 def _order(order: tuple[int, ...] | None) -> str:

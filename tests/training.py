@@ -459,6 +459,13 @@ def batch_shape_change_worker(rank: int, world: int) -> str:
     return "no error"
 
 
+def share_out_experts(model: GPT) -> None:
+    """Mark the GPT's experts and their region, as expert parallelism needs them marked."""
+    for module in model.experts():
+        piper_fx.mark_experts(module)
+    model.expert_context = lambda: piper_fx.annotate("EP")
+
+
 def mismatched_batches_worker(rank: int, world: int, options: dict, rows: list[int],
                               later_rows: list[int] | None = None) -> str:
     """One step of the small GPT (with 4 experts under ep) called on this rank with a batch of
@@ -469,9 +476,7 @@ def mismatched_batches_worker(rank: int, world: int, options: dict, rows: list[i
     torch.manual_seed(0)
     model = GPT(cfg)
     if experts:
-        for module in model.experts():
-            piper_fx.mark_experts(module)
-        model.expert_context = lambda: piper_fx.annotate("EP")
+        share_out_experts(model)
     if "pipeline" in options:
         model.block_context = lambda: piper_fx.annotate("PP")
     piper_fx.prepare(model, options)
@@ -1351,9 +1356,7 @@ def attribute_reads_worker(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         model = GPT(cfg)
         if extra:
-            for module in model.experts():
-                piper_fx.mark_experts(module)
-            model.expert_context = lambda: piper_fx.annotate("EP")
+            share_out_experts(model)
         options = {"codegen": "eager", **options}
         piper_fx.prepare(model, options)
         x, y = global_batch(0, 2 * world, cfg)

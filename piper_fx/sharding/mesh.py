@@ -70,7 +70,8 @@ def rank_groups(strategy: Strategy, dim: str) -> list[list[int]]:
     if dim == "pp":
         return [[stage * dp + index for stage in range(pp)] for index in range(dp)]
     if dim == "ep":
-        return [[stage * dp + first + shard for shard in range(ep)] for stage in range(pp) for first in range(0, dp, ep)]
+        return [[stage * dp + first + shard for shard in range(ep)]
+                for stage in range(pp) for first in range(0, dp, ep)]
     raise ValueError(f"no rank groups along mesh dimension {dim!r}")
 
 
