@@ -4,7 +4,7 @@ hold (buffers, tied and shared embeddings, biased projections) and compute (rota
 relative position biases, an encoder and a decoder, labels shifted by slice assignment).
 `make test` trains Llama and T5 under ZeRO-3 and Qwen2 under 1F1B, and Llama and BERT on a
 padded batch; with PIPER_HF_SWEEP=1, every model of `training.HUGGING_FACE` under both, on
-the batch as it is and padded (40 cases, under 4 minutes on 2 cores). A property test draws
+the batch as it is and padded (80 cases, under 4 minutes on 2 cores). A property test draws
 models and strategies over 2 and 4 ranks (every ZeRO level, every schedule, activation
 checkpointing, buckets, Inductor, padding, the model built on the meta device): the same 6
 cases in `make test`, `PIPER_HF_EXAMPLES=N` for a longer, randomly seeded search."""
@@ -25,6 +25,11 @@ SWEEP = [(name, strategy) for name in HUGGING_FACE for strategy in STRATEGIES] i
 CASES = SWEEP or [("llama", "zero3"), ("t5", "zero3"), ("qwen2", "1f1b")]
 PADDED = SWEEP or [("llama", "zero3"), ("bert", "1f1b")]
 
+# Models whose parameters some ranks' sums round apart from one process's by more than
+# `allclose` allows, within this much of each one's largest value (the strategy tests' bound):
+# Gemma 2's embedding, scaled and tied to its head, and the soft-capped logits (measured 3.0e-6).
+PARAM_ERROR = {"gemma2": 1e-5}
+
 
 def _check_parity(results: list[dict], param_error: float = 0.0) -> None:
     """Losses within 1e-5 of one process's; every parameter `allclose` to its, or with
@@ -36,7 +41,7 @@ def _check_parity(results: list[dict], param_error: float = 0.0) -> None:
 
 @pytest.mark.parametrize("name, strategy", CASES, ids=[f"{name}-{strategy}" for name, strategy in CASES])
 def test_a_hugging_face_model_trains_as_one_process_does(name, strategy):
-    _check_parity(run_ranks(hf_parity_worker, 2, name, STRATEGIES[strategy]))
+    _check_parity(run_ranks(hf_parity_worker, 2, name, STRATEGIES[strategy]), PARAM_ERROR.get(name, 0.0))
 
 
 def test_a_mixture_of_experts_trains_as_one_process_does():
@@ -80,7 +85,7 @@ def test_a_padded_batch_trains_as_one_process_does(name, strategy):
     read each row's mask by indexing it with the batch's row numbers (`torch.arange`), which
     piper_fx places as this rank's rows (`op_rules._index_rows`); before, planning read the
     mask as replicated and stopped at the attention."""
-    _check_parity(run_ranks(hf_parity_worker, 2, name, STRATEGIES[strategy], 3, 4, True))
+    _check_parity(run_ranks(hf_parity_worker, 2, name, STRATEGIES[strategy], 3, 4, True), PARAM_ERROR.get(name, 0.0))
 
 
 def test_a_model_checkpointing_its_layers_trains_as_one_process_does():
