@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from ranks import run_ranks
-from training import HUGGING_FACE, LLAMA_SEQ, hf_parity_worker
+from training import HUGGING_FACE, LLAMA_SEQ, VISION, hf_parity_worker, vision_parity_worker
 
 ZERO3 = {"zero": 3, "codegen": "eager"}
 ONE_F_ONE_B = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "1f1b", "microbatches": 2}}
@@ -77,6 +77,20 @@ def test_keys_expanded_over_the_heads_train_in_microbatches_of_one_row_under_ind
     (`runtime.layouts`)."""
     zbv = {"mesh": {"pp": 2}, "codegen": "inductor", "pipeline": {"schedule": "zbv", "microbatches": 4}}
     _check_parity(run_ranks(hf_parity_worker, 2, "falcon", zbv))
+
+
+VISION_CASES = [(name, strategy) for name in VISION for strategy in STRATEGIES] if os.environ.get("PIPER_HF_SWEEP") \
+    else [("swin", "zero3"), ("beit", "1f1b")]
+
+
+@pytest.mark.parametrize("name, strategy", VISION_CASES, ids=[f"{name}-{strategy}" for name, strategy in VISION_CASES])
+def test_a_vision_model_trains_as_one_process_does(name, strategy):
+    """Image classifiers. Swin's adaptive average pool, as Inductor decomposes it, reads its
+    means as rows through `as_strided` with strides of its own on dims of one element, and its
+    backward writes the gradient's rows over a flat buffer (`as_strided_scatter`); BEiT's
+    interpolated position bias table adds its gradient into zeros at replicated indices
+    (`_unsafe_index_put`). Planning refused all three (`op_rules`)."""
+    _check_parity(run_ranks(vision_parity_worker, 2, name, STRATEGIES[strategy]), param_error=1e-5)
 
 
 @pytest.mark.parametrize("name, strategy", PADDED, ids=[f"{name}-{strategy}" for name, strategy in PADDED])

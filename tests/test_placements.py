@@ -315,6 +315,41 @@ def test_a_reversal_keeps_the_placement_of_the_dimensions_it_does_not_reverse():
         _propagate(lambda x: rev(x, [0]) * 2, ((4, 3, 5), Shard(0)))
 
 
+def test_an_adaptive_pools_reshapes_of_rows_keep_them_sharded():
+    # Inductor's decomposition of an adaptive average pool (Swin) reads its means as rows
+    # with strides of its own on dims of one element, and its backward writes the gradient's
+    # rows over a flat buffer of zeros and reads that as rows again.
+    aten = torch.ops.aten
+
+    def pool_and_back(x):
+        rows = aten.as_strided(x.mean(-1, keepdim=True), [4, 32, 1, 1], [32, 1, 32, 32])
+        flat = aten.as_strided_scatter(x.new_zeros(128), rows.squeeze(-1).squeeze(-1) * 2, [4, 32], [32, 1], 0)
+        return aten.as_strided(flat, [4, 32], [32, 1], 0) + 1
+
+    graph = _propagate(pool_and_back, ((4, 32, 3), Shard(0)))
+    assert _specs(graph, aten.as_strided.default) == [Shard(0), Shard(0)]
+    assert _specs(graph, aten.as_strided_scatter.default) == [Shard(0)]
+    # Over part of the destination, the rest of it is not this rank's alone: no rule holds.
+    with pytest.raises(PiperError, match="as_strided_scatter"):
+        _propagate(lambda x: aten.as_strided_scatter(x.new_zeros(256), x.mean(-1), [4, 32], [32, 1], 0) * 2,
+                   ((4, 32, 3), Shard(0)))
+
+
+def test_an_interpolations_backward_into_zeros_is_a_partial_sum():
+    # BEiT interpolates its relative position bias table; the backward of the interpolation
+    # (replicated indices, each rank's part of the gradient) adds into zeros in place.
+    aten = torch.ops.aten
+
+    def backward(grad, rows, cols):
+        return aten._unsafe_index_put(grad.new_zeros(5, 5), [rows, cols], grad, True)
+
+    gm = make_fx(backward, tracing_mode="fake")(torch.randn(3, 3), torch.randint(0, 5, (3, 1)),
+                                                torch.randint(0, 5, (1, 3)))
+    grad, rows, cols = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    propagate(gm.graph, {grad.name: Partial("sum"), rows.name: Replicate(), cols.name: Replicate()}, planning_mesh(2))
+    assert _specs(gm.graph, aten._unsafe_index_put.default) == [Partial("sum")]
+
+
 def test_a_slice_backward_into_zeros_keeps_the_rows_sharded():
     # Inductor's slice backward: the gradient's rows scattered into zeros, which are this
     # rank's rows of zeros as well as replicated ones (DTensor's rule follows the zeros).

@@ -927,13 +927,79 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         loss_errors.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
-    full = {name.removeprefix("model.") if compiled else name: value
-            for name, value in piper_fx.full_state_dict(compiled or model).items()}
+    return _parity(compiled or model, reference, loss_errors)
+
+
+def _parity(trained: nn.Module, reference: nn.Module, loss_errors: list[float]) -> dict:
+    """The relative errors of the losses, and the parameters (by name) whose final values in
+    `trained` (the model, or a `LossOf` around it) are not those of `reference` (`torch.allclose`,
+    rtol 1e-5, atol 1e-7), with their `relative_error`."""
+    full = {name.removeprefix("model.") if isinstance(trained, LossOf) else name: value
+            for name, value in piper_fx.full_state_dict(trained).items()}
     expected = reference.state_dict()
     assert full.keys() == expected.keys(), (sorted(full), sorted(expected))
     return {"loss_errors": loss_errors,
             "mismatched": {name: relative_error(full[name], expected[name]) for name in expected
                            if not torch.allclose(full[name], expected[name], rtol=1e-5, atol=1e-7)}}
+
+
+# Tiny Hugging Face vision models, built from their configs: 16x16 images of 3 channels, 5 classes.
+_IMAGES = dict(num_channels=3, num_labels=5)
+_VIT = dict(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **_IMAGES)
+VISION = {
+    # Windowed attention over shifted windows, patches merged between stages, and an adaptive
+    # average pool (its decomposition reads and writes its rows through `as_strided`).
+    "swin": _tiny("SwinForImageClassification", "SwinConfig", image_size=16, patch_size=2, embed_dim=16,
+                  depths=[2, 2], num_heads=[2, 2], window_size=2, drop_path_rate=0.0, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0, **_IMAGES),
+    # A relative position bias table interpolated to the patches (its backward adds the
+    # gradient into zeros at replicated indices).
+    "beit": _tiny("BeitForImageClassification", "BeitConfig", use_relative_position_bias=True, drop_path_rate=0.0,
+                  **_VIT),
+    "vit": _tiny("ViTForImageClassification", "ViTConfig", **_VIT),
+    "convnext": _tiny("ConvNextForImageClassification", "ConvNextConfig", num_stages=2, hidden_sizes=[8, 16],
+                      depths=[1, 1], drop_path_rate=0.0, image_size=16, **_IMAGES),
+}
+
+
+class ImageLoss(LossOf):
+    """A Hugging Face image classifier whose forward returns the loss alone."""
+
+    def forward(self, images, labels):
+        return self.model(pixel_values=images, labels=labels).loss
+
+
+def vision_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3) -> dict:
+    """A tiny vision model (`VISION[name]`) trained with piper_fx on this rank's shard of 4
+    images a replica against one copy on the global batch (SGD with momentum), as
+    `hf_parity_worker` compares them."""
+    torch.manual_seed(0)
+    reference = VISION[name]()
+    torch.manual_seed(0)
+    model = ImageLoss(VISION[name]())
+    piper_fx.prepare(model, options)
+    mesh = options.get("mesh", {})
+    dp = mesh.get("dp", world // mesh.get("pp", 1))
+    opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
+    step = torch.compile(model, backend="piper", options=options)
+    loss_errors = []
+    for i in range(steps):
+        generator = torch.Generator().manual_seed(i)
+        images = torch.randn(4 * dp, 3, 16, 16, generator=generator)
+        labels = torch.randint(0, 5, (4 * dp,), generator=generator)
+        loss = step(images.chunk(dp)[rank % dp], labels.chunk(dp)[rank % dp])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ImageLoss(reference)(images, labels)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        loss_errors.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+    return _parity(model, reference, loss_errors)
 
 
 def units_worker(rank: int, world: int, cases: list[list[str] | None], debug_root: str) -> list:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..compat import inductor_prims  # noqa: F401  (the prims of Inductor's decompositions, ruled below)
+from ..ir import is_row_major
 from .spec_base import SPEC_KEY, NoRule, alike, aten, fill_value, format_spec
 
 # ---- piper_fx's rules for ops DTensor has no rule for, or none that fits. Each gets the
@@ -177,18 +178,43 @@ def _copy(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
 
 def _as_strided(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     """`aten.as_strided(x, size, stride)` that reads a contiguous `x` as a contiguous tensor of
-    as many rows, from its start: a reshape, each row of the result that row's elements of
-    `x`, so `Shard(0)` from `Shard(0)` (Inductor's decomposition of a group norm reshapes its
-    statistics so). DTensor has no rule for `as_strided`."""
+    as many rows (the strides of its dims of one element, never stepped, any), from its start:
+    a reshape, each row of the result that row's elements of `x`, so `Shard(0)` from
+    `Shard(0)` (Inductor's decomposition of a group norm reshapes its statistics so, and that
+    of an adaptive average pool its means: Swin). DTensor has no rule for `as_strided`."""
     source, size, stride = node.args[:3]
     offset = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset")
     val = source.meta["val"]
     if dict(inputs)[source] != Shard(0):
         raise NoRule("it reads a Shard(0) tensor's rows only")
-    size, stride = list(size), list(stride)
-    if offset or val.dim() == 0 or not val.is_contiguous() or not size or size[0] != val.shape[0] \
-            or stride != list(torch._prims_common.make_contiguous_strides_for(size)) or math.prod(size) != val.numel():
+    if not _reshapes_rows(val, size, stride, offset):
         raise NoRule("it reads its input otherwise than as a contiguous tensor of as many rows")
+    return Shard(0), []
+
+
+def _reshapes_rows(val: torch.Tensor, size: list[int], stride: list[int], offset: int | None) -> bool:
+    """Whether `as_strided` (or its scatter) of `size`, `stride` and `offset` reads (or writes)
+    all of the contiguous `val` as a contiguous tensor whose dim 0 holds `val`'s rows whole: as
+    many rows, or a multiple of them or a divisor (a flat buffer of rows of 32 read as its
+    rows, say), so that each rank's rows are a block of the result's."""
+    size, stride = list(size), list(stride)
+    return (not offset and val.dim() > 0 and val.is_contiguous() and bool(size) and size[0] > 0
+            and (size[0] % val.shape[0] == 0 or val.shape[0] % size[0] == 0)
+            and is_row_major(size, stride) and math.prod(size) == val.numel())
+
+
+def _as_strided_scatter(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """`aten.as_strided_scatter(destination, source, size, stride)` that writes a `Shard(0)`
+    source over all of a contiguous destination made alike on every rank (zeros), as one
+    tensor of its rows: the destination then holds this rank's rows alone, `Shard(0)`
+    (functionalized, an adaptive average pool's backward writes its gradient so: Swin).
+    DTensor has no rule for it."""
+    destination, source, size, stride = node.args[:4]
+    offset = node.args[4] if len(node.args) > 4 else node.kwargs.get("storage_offset")
+    placed = dict(inputs)
+    if placed[source] != Shard(0) or fill_value(destination) is None or list(size) != list(source.meta["val"].shape) \
+            or not _reshapes_rows(destination.meta["val"], size, stride, offset):
+        raise NoRule("it writes only a Shard(0) source over all of a destination made alike, as its rows")
     return Shard(0), []
 
 
@@ -323,8 +349,10 @@ RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any,
     # DTensor's index_put rule needs the indices replicated; a scatter-add of each rank's
     # rows (e.g. the backward of indexing the batch's rows) is a partial sum.
     aten.index_put.default: _index_put,
+    aten._unsafe_index_put.default: _index_put,
     aten.slice_scatter.default: _slice_scatter,
     aten.as_strided.default: _as_strided,
+    aten.as_strided_scatter.default: _as_strided_scatter,
     torch.ops.prims.rev.default: _rev,
     aten.copy.default: _copy,
     aten.fill.Tensor: _copy,
