@@ -916,18 +916,22 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
             batch = padded(*batch) if pad else batch
             parts = list(zip(*(t.chunk(dp) for t in batch)))
         loss = step(*parts[rank % dp])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
         ref_loss = sum(LossOf(reference)(*part) for part in parts) / dp if isinstance(length, list) \
             else LossOf(reference)(*batch)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        loss_errors.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+        loss_errors.append(_step_both(loss, opt, ref_loss, ref_opt, world))
     return _parity(compiled or model, reference, loss_errors)
+
+
+def _step_both(loss: torch.Tensor, opt, ref_loss: torch.Tensor, ref_opt, world: int) -> float:
+    """Step the trained model and the reference on their losses: the relative error of the
+    replicas' mean loss."""
+    for each, optimizer in ((loss, opt), (ref_loss, ref_opt)):
+        each.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss)
+    return abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item())
 
 
 def _parity(trained: nn.Module, reference: nn.Module, loss_errors: list[float]) -> dict:
@@ -989,16 +993,7 @@ def vision_parity_worker(rank: int, world: int, name: str, options: dict, steps:
         images = torch.randn(4 * dp, 3, 16, 16, generator=generator)
         labels = torch.randint(0, 5, (4 * dp,), generator=generator)
         loss = step(images.chunk(dp)[rank % dp], labels.chunk(dp)[rank % dp])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_loss = ImageLoss(reference)(images, labels)
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        loss_errors.append(abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item()))
+        loss_errors.append(_step_both(loss, opt, ImageLoss(reference)(images, labels), ref_opt, world))
     return _parity(model, reference, loss_errors)
 
 
