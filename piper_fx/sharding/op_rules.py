@@ -177,18 +177,19 @@ def _copy(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
 
 
 def _as_strided(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
-    """`aten.as_strided(x, size, stride)` that reads a contiguous `x` as a contiguous tensor of
-    as many rows (the strides of its dims of one element, never stepped, any), from its start:
-    a reshape, each row of the result that row's elements of `x`, so `Shard(0)` from
+    """`aten.as_strided(x, size, stride)` that reads all of a contiguous `x` as a contiguous
+    tensor of its rows (`_reshapes_rows`; the strides of dims of one element, never stepped,
+    any): a reshape that keeps each rank's rows a block of the result's, so `Shard(0)` from
     `Shard(0)` (Inductor's decomposition of a group norm reshapes its statistics so, and that
-    of an adaptive average pool its means: Swin). DTensor has no rule for `as_strided`."""
+    of an adaptive average pool its means and their gradient: Swin). DTensor has no rule for
+    `as_strided`."""
     source, size, stride = node.args[:3]
     offset = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset")
     val = source.meta["val"]
     if dict(inputs)[source] != Shard(0):
         raise NoRule("it reads a Shard(0) tensor's rows only")
     if not _reshapes_rows(val, size, stride, offset):
-        raise NoRule("it reads its input otherwise than as a contiguous tensor of as many rows")
+        raise NoRule("it reads its input otherwise than as a contiguous tensor of its rows")
     return Shard(0), []
 
 
