@@ -14,12 +14,11 @@ import warnings
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import plan_cache
+from .arguments import batch_key, check_batches_agree, check_one_device
 from .capture import batch_shapes, capture, keep_input_sources, symbolic_inputs
 from .codegen import compile_program, fewest_regions, prepare, warm_up
 from .compat import dynamo_trace_seconds
@@ -39,7 +38,7 @@ from .schedules import svg, text_grid
 from .sharding.dtensor_params import parameter_records, stood_for
 from .sharding.holdings import Holding, has_holding, holding_of, is_stored, record_holding, \
     record_pipeline_readers, release
-from .sharding.mesh import dp_group_name, group_names, pp_group_name, rank_groups, strategy_mesh
+from .sharding.mesh import dp_group_name, group_names, pp_group_name
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.specs import placement_table
 from .sharding.units import find_units
@@ -162,77 +161,6 @@ def release_other_stages(planned: Plan, example_inputs: list, strategy: Strategy
             release(example_inputs[graph_input.arg_index])
 
 
-def check_one_device(example_inputs: list) -> torch.device | None:
-    """The device of the model's parameters, where this rank computes: raise a
-    `PiperError` naming both devices if the parameters span several, or if a
-    batch input (or buffer) is on another."""
-    params = [(i, t) for i, t in enumerate(example_inputs) if isinstance(t, nn.Parameter)]
-    if not params:
-        return None
-    first, device = params[0][0], params[0][1].device
-    for index, t in params[1:]:
-        if t.device != device:
-            raise PiperError(f"the model's parameters are on devices {device} (compiled argument {first}) and "
-                             f"{t.device} (compiled argument {index}): piper_fx runs a rank's model on one "
-                             f"device; move the model there (model.to('{device}'), before piper_fx.prepare)")
-    for index, t in enumerate(example_inputs):
-        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter) and t.device != device:
-            unmade = ("; parameters on the meta device have no memory yet: give them memory and values "
-                      "(model.to_empty(device=...) after piper_fx.prepare, then initialise or load them) "
-                      "before compiling") if device.type == "meta" else ""
-            raise PiperError(f"compiled argument {index} is on device {t.device}, but the model's parameters "
-                             f"are on {device}: move it to the model's device (.to('{device}')){unmade}")
-    return device
-
-
-# Why the ranks of one group along a mesh dimension must be called with batches of the same shapes.
-_BATCH_SIZED_MESSAGES = {
-    "pp": "the ranks of a pipeline (mesh dimension pp) run their stages on the same microbatches, and the "
-          "activations and gradients they send each other are sized by them",
-    "ep": "the ranks sharing out the experts (mesh dimension ep) send each other the tokens routed to their "
-          "experts, in messages sized by the batch",
-}
-
-
-def check_batches_agree(strategy: Strategy, shapes: dict[int, tuple[int, ...]], together: bool) -> None:
-    """Raise a `PiperError` before anything is planned if the ranks of one pipeline, or of one
-    expert-parallel group, were called with batches of different shapes (`shapes`: this rank's,
-    `capture.batch_shapes`): the messages they exchange are sized by the batch, and one of
-    another size than its receiver posted ends the process (gloo) or hangs it (NCCL). Replicas
-    of data parallelism alone may differ, as under DDP: each averages its own batch.
-
-    Collective: over every rank at a model's first compile (`together`), which they all make at
-    once, so that every rank raises, those of groups that agree too; at a later one for a batch
-    shape new to this rank, over its pipeline and expert groups, whose ranks compile for a new
-    shape at the same call. (A rank called with a shape new to it while a peer's is not waits
-    for that peer until the process group's timeout.)"""
-    dims = [dim for dim, size in (("pp", strategy.pp), ("ep", strategy.ep)) if size > 1]
-    if not dims:
-        return
-    everyone: dict[int, dict] = {}
-    if together:
-        gathered: list = [None] * strategy.world_size
-        dist.all_gather_object(gathered, shapes)
-        everyone.update(enumerate(gathered))
-        groups = [(dim, ranks) for dim in dims for ranks in rank_groups(strategy, dim)]
-    else:
-        groups = []
-        for dim in dims:
-            group = strategy_mesh(strategy)[dim].get_group()
-            gathered = [None] * group.size()
-            dist.all_gather_object(gathered, shapes, group=group)
-            ranks = dist.get_process_group_ranks(group)
-            everyone.update(zip(ranks, gathered))
-            groups.append((dim, ranks))
-    for dim, ranks in groups:
-        if len({_batch_key(everyone[rank]) for rank in ranks}) > 1:  # ranks may index their arguments apart
-            by_rank = "; ".join(f"rank {rank}: " + ", ".join(f"compiled argument {index} of shape {shape}"
-                                                              for index, shape in everyone[rank].items())
-                                for rank in ranks)
-            raise PiperError(f"{_BATCH_SIZED_MESSAGES[dim]}, so they must be called with batches of the same "
-                             f"shapes; got {by_rank}")
-
-
 # The youngest generation's threshold while a step compiles (Python's default is 700): a
 # compile makes hundreds of thousands of objects, most of them kept to its end, and at 700
 # the collector went over them again and again (a 24-block ZeRO-3 cold compile spent 0.8-1.1 s
@@ -283,16 +211,9 @@ def _compiled_before(arguments: list) -> bool:
 
 
 def _batches_compiled_for(arguments: list) -> set[tuple] | None:
-    """The batch shapes (`_batch_key`) steps of the model whose parameters are among
+    """The batch shapes (`arguments.batch_key`) steps of the model whose parameters are among
     `arguments` were compiled for; None if none was."""
     return next((_COMPILED[t] for t in arguments if isinstance(t, torch.Tensor) and t in _COMPILED), None)
-
-
-def _batch_key(shapes: dict[int, tuple[int, ...]]) -> tuple:
-    """A batch's shapes (`capture.batch_shapes`) in argument order, whatever the indices Dynamo
-    gave the arguments (they differ between the ranks of expert parallelism, and may between
-    compiles)."""
-    return tuple(shapes.values())
 
 
 def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
@@ -428,7 +349,7 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
     # this rank (not a recompile for a parameter's `requires_grad`, which may be this rank's alone).
     batches, compiled_for = batch_shapes(gm, example_inputs), _batches_compiled_for(arguments)
     together = compiled_for is None
-    if together or _batch_key(batches) not in compiled_for:
+    if together or batch_key(batches) not in compiled_for:
         check_batches_agree(strategy, batches, together)
     planned = planned_step(gm, example_inputs, strategy, dump, stats)
     # Replicated parameters and buffers the model was compiled with, without
@@ -446,7 +367,7 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
                                fewest=fewest_regions(strategy.regions, device),
                                together=together)
     compiled_for = compiled_for or set()
-    compiled_for.add(_batch_key(batches))
+    compiled_for.add(batch_key(batches))
     _COMPILED.update((p, compiled_for) for p in parameters)
     dump.write("compile_stats.txt", stats.render())
     record(stats)
