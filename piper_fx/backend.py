@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import plan_cache
 from .arguments import batch_key, check_batches_agree, check_one_device
@@ -233,7 +236,9 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     dump = DebugDump(strategy.debug_dir, strategy.rank)  # named by Dynamo's compile id, known only now
     warming = warm_up(strategy.codegen, device)  # in the background, while Dynamo ends and the step is planned
     sized = symbolic_inputs(gm, example_inputs)
-    return DeferredStep(_StepBuilder(gm, example_inputs, strategy, device, dump, warming, stats, sized), sized)
+    anchor = next((i for i, t in enumerate(example_inputs) if isinstance(t, nn.Parameter)), None)
+    return DeferredStep(_StepBuilder(gm, example_inputs, strategy, device, dump, warming, stats, sized), sized,
+                        anchor)
 
 
 # How many batch shapes a frame compiles steps for before each new one warns (Dynamo's default
@@ -260,23 +265,37 @@ class DeferredStep:
     for compiles one, kept for the next call of those shapes (as Dynamo keeps a static frame's
     code per shape). All of them draw from the model's one random stream (`philox.stream_of`).
 
+    A step is a model's: compiling it lays out what the rank holds of that model's parameters
+    and buffers (under a pipeline, it lets go of those of other stages) and records how. Dynamo
+    runs a frame compiled for one instance of a module class for another of the same class
+    (it guards the parameters' types and shapes, not which they are), so the step checks its
+    call's first parameter (`anchor`, the argument's index) and compiles a step of its own for
+    a model it has not seen, as for a shape; each model's steps live as long as the model.
+
     Slotted: Dynamo wraps the step in a function that copies the step's `__dict__` into its
-    own (`functools.wraps`), which would keep the build, and with it Dynamo's graph and its
-    fake values, for the life of the compiled frame. A frame with sizes keeps its builder (and
-    Dynamo's graph) for the shapes to come; one without lets go of it once its step is built."""
+    own (`functools.wraps`), which would keep the build for the life of the compiled frame
+    by another reference. The builder keeps Dynamo's graph for the shapes and models to come."""
 
-    __slots__ = ("_build", "_sized", "_steps", "step")
+    __slots__ = ("_build", "_sized", "_anchor", "_models", "_model", "_steps", "step")
 
-    def __init__(self, build: Callable[[tuple, tuple], CompiledStep], sized: tuple[int, ...]):
+    def __init__(self, build: Callable[[tuple, tuple], CompiledStep], sized: tuple[int, ...],
+                 anchor: int | None = None):
         self._build = build
         self._sized = sized
-        self._steps: dict[tuple, CompiledStep] = {}  # with `sized`: by the sizes of the call they were compiled for
+        self._anchor = anchor
+        self._models = WeakIdKeyDictionary()  # each model's anchor argument -> its steps
+        self._model: Callable[[], Any] | None = None  # the anchor argument of the model of `_steps`, weakly
+        self._steps: dict[tuple, CompiledStep] = {}  # by the sizes of the call they were compiled for (() without)
         self.step: CompiledStep | None = None
 
     def __call__(self, *args):
+        if self._anchor is not None and (self._model is None or self._model() is not args[self._anchor]):
+            self._steps = self._models.setdefault(args[self._anchor], {})
+            self._model = weakref.ref(args[self._anchor])
+            self.step = self._steps.get(()) if not self._sized else None
         if not self._sized:
             if self.step is None:
-                self.step, self._build = self._build(args, ()), None
+                self.step = self._steps[()] = self._build(args, ())
             return self.step(*args)
         key = tuple(args[i] if isinstance(args[i], int) else tuple(args[i].shape) for i in self._sized)
         step = self._steps.get(key)
@@ -294,7 +313,8 @@ class _StepBuilder:
     """Compiles a frame's steps (`_compile`): the first for the call Dynamo compiled the frame
     for, with what the backend made for it (Dynamo's examples, the compile's stats, the code
     generator's warm-up, the dump named by the frame), then each later one (another batch
-    shape) for its own call, whose arguments are its examples, into a dump beside the first's.
+    shape, another model) for its own call, whose arguments are its examples, into a dump
+    beside the first's.
     Keeps Dynamo's graph for those, not the examples, which are the model's parameters: the
     compiled frame keeps nothing of the model alive."""
 
@@ -302,16 +322,19 @@ class _StepBuilder:
                  dump: DebugDump, warming, stats: CompileStats, sized: tuple[int, ...]):
         self.gm, self.strategy, self.device, self.dump, self.sized = gm, strategy, device, dump, sized
         self.first: tuple | None = (example_inputs, warming, stats)
+        self.later = 0  # steps compiled since the first
 
     def __call__(self, args: tuple, sizes: tuple) -> CompiledStep:
         """The step for the call of `args`, whose `sizes` (those of its `sized` arguments) name a
-        later step's dump."""
+        later step's dump, numbered."""
         if self.first is not None:
             (example_inputs, warming, stats), self.first = self.first, None
             return _compile(self.gm, _at_call_sizes(example_inputs, args, self.sized), self.strategy, self.device,
                             self.dump, warming, stats)
+        self.later += 1
         name = "_".join(str(size) if isinstance(size, int) else "x".join(map(str, size)) for size in sizes)
-        return _compile(self.gm, list(args), self.strategy, self.device, self.dump.beside(f"sizes_{name}"),
+        return _compile(self.gm, list(args), self.strategy, self.device,
+                        self.dump.beside(f"step_{self.later}" + (f"_sizes_{name}" if name else "")),
                         warm_up(self.strategy.codegen, self.device), CompileStats())
 
 

@@ -13,7 +13,7 @@ import piper_fx
 from piper_fx.ir import memory_order
 from ranks import run_ranks
 from models import ONE_F_ONE_B_DIRECTIVES, reversed_gpipe
-from training import activation_memory_worker, fixed_batch_pipeline_worker, pipeline_worker
+from training import activation_memory_worker, fixed_batch_pipeline_worker, pipeline_worker, second_model_worker
 
 RTOL = 1e-5
 
@@ -67,6 +67,18 @@ def test_two_stage_schedules_and_model_shapes():
     results = run_ranks(pipeline_worker, 2, configs, deadline_s=400)
     _check(results, configs)
     _check_each_parameter_trained_on_exactly_one_pipeline_rank(results)
+
+
+def test_a_second_model_of_the_same_class_gets_a_step_of_its_own():
+    """Dynamo runs the frame it compiled for one GPT for another of the class (it guards the
+    parameters' shapes, not which they are). The second model's parameters were then never
+    laid out: each rank kept every stage's, and `full_state_dict` read another stage's from
+    this rank's stale copy (relative parameter errors of 1.0). Each model now has its
+    own step, compiled at its first call (`DeferredStep`)."""
+    results = run_ranks(second_model_worker, 2, {"codegen": "eager", **_pp(2, "1f1b", 2)}, deadline_s=300)
+    _check(results, [{"second model": i} for i in range(2)])
+    for index in range(2):
+        _check_each_parameter_trained_on_exactly_one_pipeline_rank(results, index)
 
 
 def test_a_pipeline_traced_at_a_fixed_batch_size_says_how_to_make_it_symbolic():

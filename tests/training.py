@@ -333,6 +333,14 @@ def pipeline_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
     return results
 
 
+def second_model_worker(rank: int, world: int, options: dict) -> list[dict]:
+    """`train_and_compare` of two GPTs of the same class, one after the other in one process
+    (no `torch._dynamo.reset()` between: Dynamo runs the frame it compiled for the first)."""
+    results = [train_and_compare(rank, world, options, "sgd", steps=2, tied=False) for _ in range(2)]
+    torch._dynamo.reset()
+    return results
+
+
 def fixed_batch_pipeline_worker(rank: int, world: int) -> str:
     """The error of compiling, under a pipeline over `world` ranks, a function that calls the
     prepared GPT's `forward` itself, past the hook by which `prepare` marks the batch size
