@@ -134,33 +134,42 @@ def pipeline_readers(example_inputs: list, strategy: Strategy) -> dict[int, tupl
 def record_compiled_holdings(planned: Plan, example_inputs: list, strategy: Strategy) -> None:
     """Complete each parameter's `Holding`: a replica over dp if `prepare` did not lay
     it out, and under a pipeline, the pipeline ranks whose stages read it (the first
-    trains it). Raises a `PiperError` if a stage of this rank reads a parameter whose
-    storage an earlier compile let go of (no split keeping its readers was found)."""
+    trains it), and likewise the one whose stage updates each buffer the forward mutates
+    (a replica's own: each updates it from its rows). Raises a `PiperError` if a stage of
+    this rank reads a parameter (or updates a buffer) whose storage an earlier compile let
+    go of (no split keeping its readers was found)."""
     for graph_input in planned.inputs:
-        if graph_input.role not in (InputRole.PARAM, InputRole.PARAM_SHARD):
-            continue
-        parameter = example_inputs[graph_input.arg_index]
-        if not has_holding(parameter):
-            record_holding(parameter, Holding(tuple(parameter.shape), replica_group=planned.dp_group))
         holders = planned.parameter_holders.get(graph_input.name)
+        if graph_input.role in (InputRole.PARAM, InputRole.PARAM_SHARD):
+            tensor = example_inputs[graph_input.arg_index]
+            if not has_holding(tensor):
+                record_holding(tensor, Holding(tuple(tensor.shape), replica_group=planned.dp_group))
+            what = "reads the parameter"
+        elif graph_input.role is InputRole.BUFFER and holders:
+            tensor = example_inputs[graph_input.arg_index]
+            if not has_holding(tensor):
+                record_holding(tensor, Holding(tuple(tensor.shape)))
+            what = "updates the buffer"
+        else:
+            continue
         if strategy.pp == 1 or not holders:
             continue
-        if strategy.pp_index in holders and not is_stored(parameter):
-            raise PiperError(f"a stage of pipeline rank {strategy.pp_index} reads the parameter {graph_input.fqn}, "
-                             "whose storage an earlier compile of the model let go of on this rank (it ran no "
-                             "stage reading it then)")
-        record_pipeline_readers(parameter, holders, pp_group_name(strategy))  # they end the step equal
+        if strategy.pp_index in holders and not is_stored(tensor):
+            raise PiperError(f"a stage of pipeline rank {strategy.pp_index} {what} {graph_input.fqn}, whose "
+                             "storage an earlier compile of the model let go of on this rank (it ran no stage "
+                             "reading it then)")
+        record_pipeline_readers(tensor, holders, pp_group_name(strategy))  # they end the step equal
 
 
 def release_other_stages(planned: Plan, example_inputs: list, strategy: Strategy) -> None:
-    """Under a pipeline, free the storage of every parameter no stage of this rank reads:
-    a rank holds the parameters of the stages it runs, not the whole model's."""
+    """Under a pipeline, free the storage of every parameter no stage of this rank reads, and
+    of every buffer another rank's stage updates: a rank holds the parameters and buffers of
+    the stages it runs, not the whole model's."""
     if strategy.pp == 1:
         return
     for graph_input in planned.inputs:
         holders = planned.parameter_holders.get(graph_input.name)
-        if graph_input.role in (InputRole.PARAM, InputRole.PARAM_SHARD) and holders \
-                and strategy.pp_index not in holders:
+        if graph_input.role in HELD_ROLES and holders and strategy.pp_index not in holders:
             release(example_inputs[graph_input.arg_index])
 
 

@@ -374,21 +374,6 @@ def _check_one_scalar_loss(joint: fx.GraphModule, inputs: list[GraphInput], outp
                                    microbatches)
 
 
-def _check_mutations(inputs: list[GraphInput], outputs: list[GraphOutput], strategy: Strategy) -> None:
-    """An input the model mutates in place (BatchNorm's running statistics) gets the new value
-    its step's one forward makes, on each rank that runs it. With several microbatches each
-    forward would start from the step's value (eager PyTorch updates once a microbatch), and
-    in a pipeline the ranks of other stages would keep the old one: both are refused."""
-    mutated = [o.index for o in outputs if o.role is OutputRole.MUTATION]
-    if mutated and (strategy.microbatches > 1 or strategy.pp > 1):
-        names = {i.arg_index: i.fqn or i.name for i in inputs}
-        raise PiperError(f"the model mutates {', '.join(str(names.get(index, index)) for index in mutated)} in "
-                         f"place (BatchNorm's running statistics, say), which piper_fx applies with one "
-                         f"microbatch a step and no pipeline, not {strategy.microbatches} microbatches over "
-                         f"{strategy.pp} pipeline ranks: each microbatch's forward would start from the "
-                         "step's value, and the ranks of other stages would keep it")
-
-
 def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_group: str | None) -> TrainingDAG:
     """Trace `gm` into a joint graph and describe its inputs and outputs.
 
@@ -432,7 +417,6 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     outputs, kept = _describe_outputs(output_node, arg_indices, training)
     if training:
         _check_one_scalar_loss(joint, inputs, outputs, strategy.microbatches)
-    _check_mutations(inputs, outputs, strategy)
 
     # A flat calling convention (placeholders in, flat tuple out) for the passes.
     joint.graph._codegen = fx.graph.CodeGen()

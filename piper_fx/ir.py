@@ -389,7 +389,8 @@ class TrainingDAG:
     programs: dict[int, RankProgram] = field(default_factory=dict)
     schedule: Any = None  # the validated `schedules.Schedule` the programs follow
     # Pipeline ranks running a stage that reads each parameter (by placeholder
-    # name); they end the step with the same summed gradient.
+    # name); they end the step with the same summed gradient. Also the one rank
+    # whose stage updates each buffer the forward mutates (`update_buffers`).
     parameter_holders: dict[str, tuple[int, ...]] = field(default_factory=dict)
     # The holders an earlier compile of the model gave each parameter (by placeholder name),
     # which `split_stages` keeps: the other pipeline ranks let go of its storage then.
@@ -417,6 +418,14 @@ class TrainingDAG:
         """Re-read output names after passes replaced output nodes."""
         for spec, node in zip(self.outputs, self.output_node().args[0]):
             spec.name = node.name
+
+    def drop_outputs(self, names: set[str]) -> None:
+        """No longer return the outputs named `names` (from the joint graph and `self.outputs`)."""
+        out = self.output_node()
+        kept = [(spec, node) for spec, node in zip(self.outputs, out.args[0]) if spec.name not in names]
+        out.args = (tuple(node for _, node in kept),)
+        self.outputs = [spec for spec, _ in kept]
+        self.joint.recompile()
 
     def set_outputs(self, nodes: list[fx.Node]) -> None:
         """Replace the joint graph's outputs, keeping `self.outputs` in step."""

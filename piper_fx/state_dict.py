@@ -28,7 +28,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Collective for sharded and pipelined models (every rank must call it):
     DTensor parameters are gathered over their group, and each parameter of a
-    pipeline comes from the pipeline rank that trains it. Keys are those of the
+    pipeline comes from the pipeline rank that trains it (each buffer the forward
+    updates, from the one whose stage updates it). Keys are those of the
     unprepared model's `state_dict()`, tied parameters included under each of
     their names (under a pipeline every rank's, where a rank's own state dict
     holds its stages' alone).
@@ -37,11 +38,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     with whole_state_dict():
         entries = model.state_dict(keep_vars=True)
     for name, value in entries.items():
-        if isinstance(value, nn.Parameter) and not is_stored(value):  # a stage this rank does not run
+        if not is_stored(value):  # a stage this rank does not run
             state[name] = _from_owner(torch.empty(value.shape, dtype=value.dtype, device=value.device), value)
         elif isinstance(value, nn.Parameter):
             full = value.full_tensor() if isinstance(value, DTensor) else value.detach().clone()
             state[name] = _from_owner(full, value)
-        else:
-            state[name] = value.detach().clone()
+        else:  # a buffer: under a pipeline, one the forward updates comes from the rank whose stage does
+            state[name] = _from_owner(value.detach().clone(), value)
     return state

@@ -224,3 +224,43 @@ def resume_zero1_worker(rank: int, world: int, root: str) -> dict:
     resumed_at = load_checkpoint(os.path.join(root, "adamw_eps"), model, opt)
     _, mean = train(compiled(model, options), opt, options, range(resumed_at, STEPS), rank, world)
     return {"step": resumed_at, "losses": mean, "final": full_numpy(model)}
+
+
+BATCH_NORM_PIPELINE = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+
+
+def batch_norm_pipeline_worker(rank: int, world: int, root: str) -> dict:
+    """`models.ConvNet` (a batch norm, whose running statistics its forward updates) under a
+    2-stage 1F1B, SGD with momentum: trained 2 steps and saved with PyTorch's `get_state_dict`
+    and `dcp.save`, then trained 2 more; and a model of other initial values loaded from that
+    checkpoint before compiling (`dcp.load`, `set_state_dict`) and trained the same 2 steps.
+    This rank's losses and final full state of both, and the keys of its `state_dict()`."""
+    from models import ConvNet, conv_batch
+
+    def run(seed: int, load: bool) -> tuple:
+        torch.manual_seed(seed)
+        model = piper_fx.prepare(ConvNet(), BATCH_NORM_PIPELINE)
+        opt = make_optimizer("sgd", model.parameters())
+        if load:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
+            set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        step = compiled(model, BATCH_NORM_PIPELINE)
+        losses = []
+        for i in range(2 if load else 0, 4):
+            loss = step(*conv_batch(i, 8))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if i == 1 and not load:
+                model_sd, optim_sd = get_state_dict(model, opt)
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
+        return model, losses
+
+    trained, losses = run(0, load=False)
+    result = {"losses": losses[2:], "final": full_numpy(trained), "state_dict_keys": sorted(trained.state_dict())}
+    resumed, result["losses_resumed"] = run(1, load=True)
+    result["final_resumed"] = full_numpy(resumed)
+    torch._dynamo.reset()
+    return result

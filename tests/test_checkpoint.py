@@ -14,8 +14,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 import piper_fx.checkpoint
-from checkpoint_workers import (DROPOUT, GLOBAL_BATCH, OPTIMIZERS, PP_TORCH_API, SAVE_AFTER, STEPS, TORCH_API, config,
-                                resume_pp_torch_api_worker, resume_worker, resume_zero1_worker, train_and_save_worker)
+from checkpoint_workers import (DROPOUT, GLOBAL_BATCH, OPTIMIZERS, PP_TORCH_API, SAVE_AFTER, STEPS, TORCH_API,
+                                batch_norm_pipeline_worker, config, resume_pp_torch_api_worker, resume_worker,
+                                resume_zero1_worker, train_and_save_worker)
 from examples.gpt import GPT
 from piper_fx.checkpoint import load_checkpoint, save_checkpoint
 from ranks import run_ranks
@@ -253,3 +254,22 @@ def test_load_checkpoint_reads_a_checkpoint_torch_saved(tmp_path):
     for p, q in zip(model.parameters(), fresh.parameters()):
         for key, value in opt.state[p].items():
             assert torch.equal(fresh_opt.state[q][key], value), key
+
+
+def test_a_pipeline_saves_and_resumes_the_buffers_its_stages_update(tmp_path):
+    """A batch norm's running statistics under a pipeline: the rank whose stage updates them
+    holds them, and the other lets go of them as of its other stages' parameters, so each
+    rank's `state_dict()` has them where its stages do and DCP writes the one current copy. A
+    model of other initial values loaded from that checkpoint before compiling continues
+    bit-exact: losses, parameters and the statistics (`full_state_dict`, on both ranks)."""
+    from models import ConvNet
+    runs = run_ranks(batch_norm_pipeline_worker, 2, str(tmp_path))
+    plain_keys = set(ConvNet().state_dict())
+    statistics = {"norm1.running_mean", "norm1.running_var", "norm1.num_batches_tracked"}
+    held = [set(run["state_dict_keys"]) for run in runs]
+    assert held[0] | held[1] == plain_keys and not statistics <= held[0] & held[1], held
+    for rank, run in enumerate(runs):
+        assert run["losses_resumed"] == run["losses"], rank
+        for key, value in run["final"].items():
+            assert np.array_equal(run["final_resumed"][key], value), (rank, key)
+        assert np.array_equal(run["final"]["norm1.running_mean"], runs[0]["final"]["norm1.running_mean"]), rank

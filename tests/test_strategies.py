@@ -71,9 +71,7 @@ def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):
     """Found checking BatchNorm: the program returned the running statistics' new values and the
     step dropped them (kept per microbatch, looked up per step), so the statistics stayed as
     initialized while training went on, silently. Each rank now takes its own, as under FSDP2
-    (and DDP without broadcast_buffers); with several microbatches a step, whose forwards
-    would each start from the step's value, or in a pipeline, whose other stages' ranks would
-    keep the old ones, it is a `PiperError` naming the buffers."""
+    (and DDP without broadcast_buffers)."""
     cases = [(1, {"codegen": "eager"}), (1, {"codegen": "inductor"}), (2, {"codegen": "eager", "zero": 0}),
              (2, {"codegen": "eager", "zero": 3})]
     for world, options in cases:
@@ -86,9 +84,9 @@ def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):
     # and its max pooling as prims of Inductor's decompositions had no placement (`op_rules`), and
     # Inductor made the forward's convolution outputs channels-last where the backward, compiled
     # apart, read them contiguous (the layout optimization is off for piper_fx's tasks).
-    # Under a zero-bubble schedule (group norms only: a pipeline refuses the batch norm's buffers),
-    # the max pool's offsets, which only the weights' backward reads, crossed from I to W as the
-    # pool's tuple, which Inductor cannot return (`split_backward`); and the stages cut by cost
+    # Under a zero-bubble schedule (group norms only), the max pool's offsets, which only the
+    # weights' backward reads, crossed from I to W as the pool's tuple, which Inductor cannot
+    # return (`split_backward`); and the stages cut by cost
     # split a group norm's decomposition, whose one backward left the first part's stage none
     # (no I or W task for the schedule's actions, `split_stages`).
     zbv = {"mesh": {"pp": 2}, "pipeline": {"schedule": "zbv", "microbatches": 2}, "codegen": "inductor"}
@@ -97,9 +95,37 @@ def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):
             assert "error" not in outcome, (options, rank, outcome.get("error"))
             result = outcome["value"]
             assert max(result["loss_errors"]) < 1e-5 and max(result["errors"].values()) < 1e-5, (options, rank, result)
-    (outcome,) = rank_pools(1).run(batch_norm_worker, {"codegen": "eager", "pipeline": {"microbatches": 2}})
-    assert "norm.num_batches_tracked, norm.running_mean, norm.running_var in place" in outcome["error"], outcome
-    # In a pipeline the ranks of the other stages would keep the old values: refused on every rank.
-    gpipe = {"codegen": "eager", "mesh": {"pp": 2}, "pipeline": {"schedule": "gpipe", "microbatches": 1}}
-    for outcome in rank_pools(2).run(batch_norm_worker, gpipe):
-        assert "not 1 microbatches over 2 pipeline ranks" in outcome.get("error", ""), outcome
+
+
+def test_buffers_the_forward_mutates_are_updated_microbatch_by_microbatch(rank_pools):
+    """Each microbatch's forward updates the running statistics from those the one before left,
+    as eager PyTorch run microbatch by microbatch (gradient accumulation) and the stages of
+    torch.distributed.pipelining do; the rank whose stage updates them holds them, and the
+    other pipeline ranks let go of them (`full_state_dict` fetches them from it, on every
+    rank). Refused before: each forward started from the step's value, and the other stages'
+    ranks would keep the old ones. A batch norm is no longer recomputed in the backward, where
+    it would read the updated statistics (`checkpoint_activations`), so the one-microbatch
+    case above checks that too."""
+    def pipeline(schedule: str, microbatches: int, **options) -> dict:
+        return {"mesh": {"pp": 2}, "pipeline": {"schedule": schedule, "microbatches": microbatches}, **options}
+    cases = [(1, {"codegen": "eager", "pipeline": {"microbatches": 2}}, False),
+             (1, {"codegen": "inductor", "pipeline": {"microbatches": 2}}, False),
+             (2, {"codegen": "eager", "zero": 3, "pipeline": {"microbatches": 2}}, False),
+             (2, pipeline("gpipe", 2, codegen="eager"), False),
+             (2, pipeline("1f1b", 4, codegen="inductor", activation_checkpointing={"mode": "full"}), True),
+             (2, pipeline("zbv", 2, codegen="eager"), True),
+             (2, pipeline("dualpipev", 4, codegen="eager"), True),
+             (4, {"mesh": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 2},
+                  "codegen": "eager"}, True)]
+    for world, options, conv in cases:
+        for rank, outcome in enumerate(rank_pools(world).run(batch_norm_worker, options, conv)):
+            assert "error" not in outcome, (options, rank, outcome.get("error"))
+            result = outcome["value"]
+            assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
+            assert max(result["errors"].values()) < 1e-5, (options, rank, result["errors"])
+    # DualPipe runs every stage on two ranks, which would each update the statistics from their
+    # own microbatches: refused on every rank, naming the buffer.
+    dualpipe = pipeline("dualpipe", 4, codegen="eager")
+    for outcome in rank_pools(2).run(batch_norm_worker, dualpipe, True):
+        assert "buffer norm1.num_batches_tracked in place" in outcome.get("error", "") \
+            and "on pipeline ranks 0, 1" in outcome["error"], outcome

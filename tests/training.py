@@ -832,8 +832,10 @@ def batch_norm_worker(rank: int, world: int, options: dict, conv: bool = False, 
     """`models.BatchNormMLP` (with `conv`, `models.ConvNet(batch_norm)`) trained 3 steps (SGD) on this
     rank's share of each batch, beside an eager copy trained as DDP trains it without
     broadcasting buffers (its gradients averaged over the ranks, its norm's statistics of this
-    rank's rows alone, as under FSDP2): the largest relative differences of the losses, and
-    of every parameter and buffer."""
+    rank's rows alone, as under FSDP2), on the options' microbatches one after another (each
+    normalized by its own statistics, and updating the running ones in turn, as gradient
+    accumulation and torch.distributed.pipelining do): the largest relative differences of
+    the losses, and of every parameter and buffer (`full_state_dict`'s, on every rank)."""
     from models import BatchNormMLP, ConvNet, batch, conv_batch
 
     torch.manual_seed(0)
@@ -845,19 +847,23 @@ def batch_norm_worker(rank: int, world: int, options: dict, conv: bool = False, 
     opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
     mesh = options.get("mesh", {})
     dp = mesh.get("dp", world // mesh.get("pp", 1))  # a pipeline's ranks: one replica (dp 1) or dp alone
+    microbatches = options.get("pipeline", {}).get("microbatches", 1)
     loss_errors = []
-    for i in range(3):
-        x, y = (t.chunk(dp)[rank % dp] for t in batch(i, 4 * dp))
+    for i in range(3):  # 4 rows a microbatch: a batch norm's variance of fewer is all rounding
+        x, y = (t.chunk(dp)[rank % dp] for t in batch(i, 4 * dp * microbatches))
         loss = step(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_loss = reference(x, y)
-        ref_loss.backward()
-        for p in reference.parameters():
+        ref_loss = 0.0
+        for x_m, y_m in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            microbatch_loss = reference(x_m, y_m) / microbatches
+            microbatch_loss.backward()
+            ref_loss += microbatch_loss.detach()
+        for p in reference.parameters():  # the replicas' mean: each pipeline rank has its replica's
             if dp > 1:
                 dist.all_reduce(p.grad)
-            p.grad /= dp
+                p.grad /= world
         ref_opt.step()
         ref_opt.zero_grad()
         loss_errors.append(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))

@@ -31,6 +31,7 @@ from .shard_experts import shard_experts
 from .split_backward import split_backward
 from .split_stages import split_stages
 from .unshard_parameters import unshard_parameters
+from .update_buffers import update_buffers
 
 PassFunction = Callable[[TrainingDAG, Strategy], TrainingDAG]
 
@@ -61,6 +62,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass(propagate_placements,   JOINT,    JOINT),     # DTensor-style spec on every node (descriptive)
     Pass(choose_schedule,        JOINT,    JOINT),     # the validated schedule: stage placement and action order
     Pass(split_stages,           JOINT,    STAGED),    # per stage: F and B tasks, P/E for once-per-step ops
+    Pass(update_buffers,         STAGED,   STAGED),    # buffers the forward mutates: copied into in its task
     Pass(split_backward,         STAGED,   STAGED),    # zero-bubble schedules: B -> I (input grads) and W (weight grads)
     Pass(bucket_collectives,     STAGED,   STAGED),    # per task: adjacent collectives -> buckets of at most bucket_mb
     Pass(reorder_for_overlap,    STAGED,   STAGED),    # per task: waits sunk to first use, ZeRO-3 gathers prefetched

@@ -103,10 +103,7 @@ def _value_flow(dag: TrainingDAG) -> _ValueFlow:
         loss = next(o.name for o in dag.outputs if o.role is OutputRole.OUTPUT)
         accumulated.add(loss)
     accumulated -= {name for name in accumulated if producer[name].kind in ONCE_PER_STEP}
-    # An input's new value (a buffer the forward mutates) is the step's: capture allows one only
-    # with one microbatch a step and no pipeline, so the one forward that makes it runs once.
-    mutations = {o.name for o in dag.outputs if o.role is OutputRole.MUTATION}
-    per_step = ({i.name for i in dag.inputs if i.name not in per_microbatch_inputs} | accumulated | mutations
+    per_step = ({i.name for i in dag.inputs if i.name not in per_microbatch_inputs} | accumulated
                 | {name for name, t in producer.items() if t.kind in ONCE_PER_STEP})
     return _ValueFlow(producer, consumers, per_step, accumulated, loss)
 

@@ -37,8 +37,11 @@ and keeps nothing more. (AOTAutograd's min-cut partitioner, which Inductor
 uses, keeps such a value where the backward needs it materialized, as the
 input of a weight gradient's matmul.)
 Never recomputed: placeholders, markers (a read of a sharded parameter: the
-collective passes gather it again for the backward), and ops inside an EP
-region (recomputing them would dispatch the tokens to the experts again).
+collective passes gather it again for the backward), ops inside an EP
+region (recomputing them would dispatch the tokens to the experts again), and
+ops that read a buffer the forward updates (a batch norm's, with its running
+statistics): `update_buffers` updates it in place in the forward, so a
+backward would read the new value (the backward reads their values kept).
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..ir import HELD_ROLES, TrainingDAG, forward_nodes
+from ..ir import HELD_ROLES, OutputRole, TrainingDAG, forward_nodes
 from ..ops import EXPERT_MARKERS, RECOMPUTES, ZERO_MARKERS, is_heavy
 from ..options import Strategy
 from ..sharding.units import unit_of
@@ -131,6 +134,13 @@ def _sink_detaches(graph: fx.Graph, forward: set[fx.Node]) -> None:
             min(node.users, key=position.__getitem__).prepend(node)
 
 
+def _updated_buffers(dag: TrainingDAG) -> set[fx.Node]:
+    """The placeholders of the inputs the forward mutates (their new values are outputs)."""
+    mutated = {o.index for o in dag.outputs if o.role is OutputRole.MUTATION}
+    placeholders = dag.placeholders()
+    return {placeholders[i.name] for i in dag.inputs if i.arg_index in mutated}
+
+
 def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     if not dag.training:
         return dag
@@ -138,6 +148,8 @@ def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     forward = forward_nodes(dag)
     recomputable = {n for n in graph.nodes if n in forward and _recomputable(n, strategy, forward)}
     recomputable |= _free_to_recompute(graph, forward, {i.name for i in dag.inputs if i.role in HELD_ROLES})
+    updated = _updated_buffers(dag)
+    recomputable -= {n for n in recomputable if any(value in updated for value in n.all_input_nodes)}
     # A part of a multi-output op (attention's output) is recomputed with the op or kept with it.
     recomputable -= {n for n in recomputable if n.target is operator.getitem and n.args[0] not in recomputable}
     if not recomputable:

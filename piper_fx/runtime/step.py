@@ -192,10 +192,10 @@ class CompiledStep:
                            for i in self.inputs if i.role is InputRole.INPUT]
         self.rng_keys = [[(i.name, m) for m in by_microbatch] for i in self.inputs if i.role is InputRole.RNG]
         # The program's outputs by what the step does with them: the user's outputs (their
-        # position), the gradients and the inputs' new values (their argument's index).
+        # position) and the gradients (their argument's index). The buffers the forward
+        # mutates are updated by the tasks themselves (`passes.update_buffers`).
         self.user_outputs = [(o.name, o.index) for o in self.outputs if o.role in (OutputRole.LOSS, OutputRole.OUTPUT)]
         self.grad_outputs = [(o.name, o.index) for o in self.outputs if o.role is OutputRole.GRAD]
-        self.mutation_outputs = [(o.name, o.index) for o in self.outputs if o.role is OutputRole.MUTATION]
         # The DTensor spec each DTensor parameter or buffer was compiled with, by argument index:
         # checked on every call (Dynamo guards their plain program placeholders), by identity
         # while the argument keeps its spec object, by value when it has a new one.
@@ -304,9 +304,6 @@ class CompiledStep:
                 # Summed over microbatches by the runtime: the replica's loss is their mean.
                 user_outputs[index] = value / self.microbatches if self.microbatches > 1 else value
         grads = {index: results[name] for name, index in self.grad_outputs if name in results}
-        for name, index in self.mutation_outputs:
-            if name in results:
-                args[index].copy_(results[name])
         self.last_run.call_s = program_started - started + time.perf_counter() - program_ended
         return user_outputs, grads
 

@@ -8,8 +8,10 @@ parameters of stages a rank does not run keep their objects (the model is
 whole on every rank) but not their memory, released when the step is compiled. `prepare` records a `Holding`
 for every parameter it lays out and the backend completes it when it compiles
 (replicas of a model compiled without `prepare`, the pipeline rank that
-trains each parameter). Kept here, keyed by the parameter's identity for as
-long as it lives, not on the user's objects.
+trains each parameter). A buffer the forward updates is held so too under a
+pipeline: by the rank whose stage updates it alone (`passes.update_buffers`).
+Kept here, keyed by the parameter's identity for as long as it lives, not on
+the user's objects.
 
 What follows from a holding, defined once: this rank's piece of a held
 tensor (the parameter, its gradient or an optimizer state of its shape),
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -154,7 +157,9 @@ def whole_state_dict():
 def _released_names(model: nn.Module, prefix: str) -> list[str]:
     if not _RELEASED:
         return []
-    return [prefix + name for name, p in model.named_parameters(remove_duplicate=False) if p in _RELEASED]
+    return [prefix + name for name, t in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                                         model.named_buffers(remove_duplicate=False))
+            if t in _RELEASED]
 
 
 def _drop_released_from_state_dict(model: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
