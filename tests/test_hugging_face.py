@@ -93,6 +93,16 @@ def test_a_vision_model_trains_as_one_process_does(name, strategy):
     _check_parity(run_ranks(vision_parity_worker, 2, name, STRATEGIES[strategy]), param_error=1e-5)
 
 
+def test_a_batch_normed_vision_model_trains_microbatch_by_microbatch():
+    """ResNet under a pipeline: each microbatch's forward normalizes by its own statistics and
+    updates the running ones in turn, on the rank whose stage holds them, as one process
+    stepping through the microbatches does (losses, parameters and running statistics).
+    Pipelines refused its batch norms' buffers before (`passes.update_buffers`)."""
+    zbv = {"mesh": {"pp": 2}, "codegen": "inductor", "pipeline": {"schedule": "zbv", "microbatches": 2}}
+    for options in (ONE_F_ONE_B, zbv):
+        _check_parity(run_ranks(vision_parity_worker, 2, "resnet", options), param_error=1e-5)
+
+
 @pytest.mark.parametrize("name, strategy", PADDED, ids=[f"{name}-{strategy}" for name, strategy in PADDED])
 def test_a_padded_batch_trains_as_one_process_does(name, strategy):
     """The model called with its attention mask, every other row padded. Hugging Face's masks

@@ -981,6 +981,14 @@ VISION = {
 }
 
 
+# Image classifiers with batch norms, whose statistics are each microbatch's: compared with one
+# process stepping through the microbatches in turn (`vision_parity_worker`), under a pipeline.
+BATCH_NORMED = {
+    "resnet": _tiny("ResNetForImageClassification", "ResNetConfig", embedding_size=8, hidden_sizes=[8, 16],
+                    depths=[1, 1], layer_type="basic", **_IMAGES),
+}
+
+
 class ImageLoss(LossOf):
     """A Hugging Face image classifier whose forward returns the loss alone."""
 
@@ -989,13 +997,17 @@ class ImageLoss(LossOf):
 
 
 def vision_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3) -> dict:
-    """A tiny vision model (`VISION[name]`) trained with piper_fx on this rank's shard of 4
-    images a replica against one copy on the global batch (SGD with momentum), as
-    `hf_parity_worker` compares them."""
+    """A tiny vision model (`VISION[name]`, or `BATCH_NORMED[name]`) trained with piper_fx on
+    this rank's shard of 4 images a replica against one copy on the global batch (SGD with
+    momentum), as `hf_parity_worker` compares them. A batch-normed one, under a pipeline of
+    one replica, against one copy stepping through the options' microbatches in turn (its
+    loss their mean), as gradient accumulation and torch.distributed.pipelining do; its
+    running statistics are compared too."""
+    build = VISION.get(name) or BATCH_NORMED[name]
     torch.manual_seed(0)
-    reference = VISION[name]()
+    reference = build()
     torch.manual_seed(0)
-    model = ImageLoss(VISION[name]())
+    model = ImageLoss(build())
     piper_fx.prepare(model, options)
     mesh = options.get("mesh", {})
     dp = mesh.get("dp", world // mesh.get("pp", 1))
@@ -1007,7 +1019,15 @@ def vision_parity_worker(rank: int, world: int, name: str, options: dict, steps:
         images = torch.randn(4 * dp, 3, 16, 16, generator=generator)
         labels = torch.randint(0, 5, (4 * dp,), generator=generator)
         loss = step(images.chunk(dp)[rank % dp], labels.chunk(dp)[rank % dp])
-        loss_errors.append(_step_both(loss, opt, ImageLoss(reference)(images, labels), ref_opt, world))
+        if name in BATCH_NORMED:
+            assert dp == 1, "each replica's statistics are its own: one copy stands for one replica"
+            microbatches = options.get("pipeline", {}).get("microbatches", 1)
+            ref_loss = sum(ImageLoss(reference)(*microbatch) for microbatch in zip(images.chunk(microbatches),
+                                                                                  labels.chunk(microbatches)))
+            ref_loss = ref_loss / microbatches
+        else:
+            ref_loss = ImageLoss(reference)(images, labels)
+        loss_errors.append(_step_both(loss, opt, ref_loss, ref_opt, world))
     return _parity(model, reference, loss_errors)
 
 
