@@ -22,12 +22,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import plan_cache
 from .arguments import batch_key, check_batches_agree, check_one_device
+from .compiled_holdings import pipeline_readers, record_compiled_holdings, release_other_stages
 from .capture import batch_shapes, capture, keep_input_sources, symbolic_inputs
 from .codegen import compile_program, fewest_regions, prepare, warm_up
 from .compat import dynamo_trace_seconds
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
-from .errors import PiperError
 from .ir import HELD_ROLES, InputRole, TrainingDAG
 from .options import Strategy, parse_options_on_all_ranks
 from .passes import dump_path, run_passes
@@ -39,9 +39,7 @@ from .runtime.executor import ProgramExecutor
 from .runtime.step import CompiledStep
 from .schedules import svg, text_grid
 from .sharding.dtensor_params import parameter_records, stood_for
-from .sharding.holdings import Holding, has_holding, holding_of, is_stored, record_holding, \
-    record_pipeline_readers, release
-from .sharding.mesh import dp_group_name, group_names, pp_group_name
+from .sharding.mesh import dp_group_name, group_names
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.specs import placement_table
 from .sharding.units import find_units
@@ -118,59 +116,6 @@ def planned_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, d
             plan_cache.store(key, planned, strict=verification_enabled(strategy))
         stats.plan = "planned, cached"
     return planned
-
-
-def pipeline_readers(example_inputs: list, strategy: Strategy) -> dict[int, tuple[int, ...]]:
-    """Under a pipeline, by argument index, the pipeline ranks whose stages read each parameter
-    an earlier compile of the model planned (`record_compiled_holdings`): a later one (another
-    batch shape, a recompile) must read it there too, for the other ranks let go of it."""
-    if strategy.pp == 1:
-        return {}
-    arguments = [stood_for(t) for t in example_inputs]
-    return {index: holding_of(t).readers for index, t in enumerate(arguments)
-            if isinstance(t, torch.Tensor) and has_holding(t) and holding_of(t).readers}
-
-
-def record_compiled_holdings(planned: Plan, example_inputs: list, strategy: Strategy) -> None:
-    """Complete each parameter's `Holding`: a replica over dp if `prepare` did not lay
-    it out, and under a pipeline, the pipeline ranks whose stages read it (the first
-    trains it), and likewise the one whose stage updates each buffer the forward mutates
-    (a replica's own: each updates it from its rows). Raises a `PiperError` if a stage of
-    this rank reads a parameter (or updates a buffer) whose storage an earlier compile let
-    go of (no split keeping its readers was found)."""
-    for graph_input in planned.inputs:
-        holders = planned.parameter_holders.get(graph_input.name)
-        if graph_input.role in (InputRole.PARAM, InputRole.PARAM_SHARD):
-            tensor = example_inputs[graph_input.arg_index]
-            if not has_holding(tensor):
-                record_holding(tensor, Holding(tuple(tensor.shape), replica_group=planned.dp_group))
-            what = "reads the parameter"
-        elif graph_input.role is InputRole.BUFFER and holders:
-            tensor = example_inputs[graph_input.arg_index]
-            if not has_holding(tensor):
-                record_holding(tensor, Holding(tuple(tensor.shape)))
-            what = "updates the buffer"
-        else:
-            continue
-        if strategy.pp == 1 or not holders:
-            continue
-        if strategy.pp_index in holders and not is_stored(tensor):
-            raise PiperError(f"a stage of pipeline rank {strategy.pp_index} {what} {graph_input.fqn}, whose "
-                             "storage an earlier compile of the model let go of on this rank (it ran no stage "
-                             "reading it then)")
-        record_pipeline_readers(tensor, holders, pp_group_name(strategy))  # they end the step equal
-
-
-def release_other_stages(planned: Plan, example_inputs: list, strategy: Strategy) -> None:
-    """Under a pipeline, free the storage of every parameter no stage of this rank reads, and
-    of every buffer another rank's stage updates: a rank holds the parameters and buffers of
-    the stages it runs, not the whole model's."""
-    if strategy.pp == 1:
-        return
-    for graph_input in planned.inputs:
-        holders = planned.parameter_holders.get(graph_input.name)
-        if graph_input.role in HELD_ROLES and holders and strategy.pp_index not in holders:
-            release(example_inputs[graph_input.arg_index])
 
 
 # The youngest generation's threshold while a step compiles (Python's default is 700): a

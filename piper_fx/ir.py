@@ -419,6 +419,11 @@ class TrainingDAG:
         for spec, node in zip(self.outputs, self.output_node().args[0]):
             spec.name = node.name
 
+    def mutated_inputs(self) -> list[tuple[GraphOutput, GraphInput]]:
+        """Each input the forward mutates in place (a MUTATION output: its new value), with it."""
+        by_argument = {i.arg_index: i for i in self.inputs}
+        return [(o, by_argument[o.index]) for o in self.outputs if o.role is OutputRole.MUTATION]
+
     def drop_outputs(self, names: set[str]) -> None:
         """No longer return the outputs named `names` (from the joint graph and `self.outputs`)."""
         out = self.output_node()

@@ -51,7 +51,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ..ir import HELD_ROLES, OutputRole, TrainingDAG, forward_nodes
+from ..ir import HELD_ROLES, TrainingDAG, forward_nodes
 from ..ops import EXPERT_MARKERS, RECOMPUTES, ZERO_MARKERS, is_heavy
 from ..options import Strategy
 from ..sharding.units import unit_of
@@ -134,13 +134,6 @@ def _sink_detaches(graph: fx.Graph, forward: set[fx.Node]) -> None:
             min(node.users, key=position.__getitem__).prepend(node)
 
 
-def _updated_buffers(dag: TrainingDAG) -> set[fx.Node]:
-    """The placeholders of the inputs the forward mutates (their new values are outputs)."""
-    mutated = {o.index for o in dag.outputs if o.role is OutputRole.MUTATION}
-    placeholders = dag.placeholders()
-    return {placeholders[i.name] for i in dag.inputs if i.arg_index in mutated}
-
-
 def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     if not dag.training:
         return dag
@@ -148,7 +141,8 @@ def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     forward = forward_nodes(dag)
     recomputable = {n for n in graph.nodes if n in forward and _recomputable(n, strategy, forward)}
     recomputable |= _free_to_recompute(graph, forward, {i.name for i in dag.inputs if i.role in HELD_ROLES})
-    updated = _updated_buffers(dag)
+    placeholders = dag.placeholders()
+    updated = {placeholders[graph_input.name] for _, graph_input in dag.mutated_inputs()}
     recomputable -= {n for n in recomputable if any(value in updated for value in n.all_input_nodes)}
     # A part of a multi-output op (attention's output) is recomputed with the op or kept with it.
     recomputable -= {n for n in recomputable if n.target is operator.getitem and n.args[0] not in recomputable}

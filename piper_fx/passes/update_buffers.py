@@ -28,19 +28,17 @@ import torch
 import torch.fx as fx
 
 from ..errors import PiperError
-from ..ir import InputRole, OutputRole, Task, TaskKind, TrainingDAG, add_placeholder
+from ..ir import InputRole, Task, TaskKind, TrainingDAG, add_placeholder
 from ..options import Strategy
 
 COPY = torch.ops.aten.copy_.default
 
 
 def update_buffers(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
-    mutations = [o for o in dag.outputs if o.role is OutputRole.MUTATION]
+    mutations = dag.mutated_inputs()
     if not mutations:
         return dag
-    by_argument = {i.arg_index: i for i in dag.inputs}
-    for mutation in mutations:
-        buffer = by_argument[mutation.index]
+    for mutation, buffer in mutations:
         name = buffer.fqn or buffer.name
         if buffer.role is not InputRole.BUFFER:
             raise PiperError(f"the model's forward changes its {buffer.role.value} {name} in place: piper_fx "
@@ -71,7 +69,7 @@ def update_buffers(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
             dag.parameter_holders[buffer.name] = tuple(ranks)
         read_later = any(mutation.name in t.inputs for t in dag.tasks)  # a batch norm's backward reads it
         _copy_at_end(maker, dag.placeholders()[buffer.name], mutation.name, read_later)
-    dag.drop_outputs({o.name for o in mutations})
+    dag.drop_outputs({mutation.name for mutation, _ in mutations})
     return dag
 
 
