@@ -139,6 +139,23 @@ def test_sequences_of_changing_length_train_as_one_process_does():
                   param_error=1e-5)
 
 
+def test_a_later_stage_recomputing_a_value_from_an_earlier_stages_output_trains_as_one_process_does():
+    """Funnel (`training.EAGER_CODE_ONLY`). Under a pipeline, its decoder (stage 1) builds its
+    attention's class mask from the sum of the encoder's last output, upsampled, and its first
+    block's (stage 0), and the backward recomputes that mask there. Stages went by each
+    backward op's forward op, but never later than any backward value it read, recomputed
+    ones included: a gradient op of the decoder's attention whose forward op is gone from the
+    graph read the recomputed mask, and took the encoder's stage, and with it every gradient
+    op it reached, onto the rank that holds no decoder parameter (their gradients 1.0 off, or
+    more, after one step). A recomputed value now keeps its forward value's stage and pulls
+    no reader along (`split_stages._backward_stages`). Under ZeRO-3, its average pool's
+    gradient had no placement rule (`op_rules`: each row's from that row's). Microbatches sum
+    the batch's rows otherwise than one process: parameters within 1e-5 of each one's largest
+    value, as the strategy tests bound them (measured: 3.3e-7)."""
+    for strategy in (ONE_F_ONE_B, ZERO3):
+        _check_parity(run_ranks(hf_parity_worker, 2, "funnel", strategy), param_error=1e-5)
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_t5_trains_on_one_row_a_rank_or_a_microbatch(strategy):
     """T5 adds one position bias to every row's attention scores. At one row, autograd writes no

@@ -805,6 +805,18 @@ HUGGING_FACE = {
                    expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2),
 }
 
+# Tiny Hugging Face models `hf_parity_worker` trains under eager code alone (`codegen: "eager"`),
+# out of the search over `HUGGING_FACE`, which draws Inductor too.
+EAGER_CODE_ONLY = {
+    # Pools its sequence between blocks (an average pool), and the decoder adds the first
+    # block's output to the upsampled last one, and builds its attention's class mask from
+    # that sum. Inductor's C++ code generation of its kernels does not finish (SymPy's
+    # simplification of an index, 400 s and more; `torch.compile` of the model alone as well).
+    "funnel": _tiny("FunnelForMaskedLM", "FunnelConfig", vocab_size=LLAMA["vocab_size"], d_model=32, n_head=2,
+                    d_head=16, d_inner=64, block_sizes=[1, 1], hidden_dropout=0.0, attention_dropout=0.0,
+                    activation_dropout=0.0),
+}
+
 
 class LossOf(nn.Module):
     """A module around a Hugging Face model whose forward returns the loss alone, as a
@@ -880,8 +892,9 @@ def frozen_worker(rank: int, world: int, options: dict, pp_regions: bool) -> dic
 def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3, rows: int = 4,
                      pad: bool = False, checkpointed: bool = False, on_meta: bool = False,
                      lengths: list[int | list[int]] | None = None) -> dict:
-    """A tiny Hugging Face model (`HUGGING_FACE[name]`) trained with piper_fx on this rank's
-    shard of `rows` rows a replica against one copy on the global batch (SGD with momentum):
+    """A tiny Hugging Face model (`HUGGING_FACE[name]` or `EAGER_CODE_ONLY[name]`) trained with
+    piper_fx on this rank's shard of `rows` rows a replica against one copy on the global batch
+    (SGD with momentum):
     relative errors of the losses, and the parameters (by name) whose final values are not
     those of the copy (`torch.allclose`, rtol 1e-5, atol 1e-7: a key projection's bias has
     no gradient but rounding). Under a pipeline, the compiled module is the model in a
@@ -894,13 +907,14 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     longest row do; each length compiles a step of its own), or as many as the list names
     for each replica (each rank pads its batch to its own longest row): then against one copy
     stepping on the mean of the replicas' losses, as DDP trains on them."""
+    build = HUGGING_FACE.get(name) or EAGER_CODE_ONLY[name]
     torch.manual_seed(0)
-    reference = HUGGING_FACE[name]()
+    reference = build()
     torch.manual_seed(0)
-    source = HUGGING_FACE[name]()
+    source = build()
     if on_meta:
         with torch.device("meta"):
-            model = HUGGING_FACE[name]()
+            model = build()
     else:
         model = source
     if checkpointed:

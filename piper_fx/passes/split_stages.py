@@ -19,14 +19,20 @@ Values keep their joint-graph node names across tasks. Stage assignment:
     weights) go with their first user; a stage never reads a later stage. A
     part of a multi-output op (its `getitem`) goes with the op, forward and
     backward.
-  - backward: each op goes to the stage of the forward op it differentiates
-    (AOTAutograd's `seq_nr`), but never later than the stages of the
-    gradients it reads, so gradients only flow to earlier stages.
+  - backward: a recomputation copy (`checkpoint_activations`') goes to the
+    stage of the value it copies; any other op to the stage of the forward op
+    it differentiates (AOTAutograd's `seq_nr`), but never later than the
+    stages of the backward values other than copies it reads, so gradients
+    only flow to earlier stages; an op with neither (one whose `seq_nr` no
+    forward op has) to the latest stage of its users.
 Recomputation stays within a stage: where a stage boundary cuts a region of
 `checkpoint_activations`, a backward op (a recomputation copy or a gradient op)
 reading the copy of a value of another stage than its own reads that value
 instead (kept from the forward, as the next stage's forward reads it), and
-copies left unread are removed from the joint graph.
+copies left unread are removed from the joint graph. So a copy pulls no
+reader into its stage: a later stage's op reading a value an earlier stage's
+ops recompute (Funnel's decoder builds its attention's class mask from the
+encoder's output) stays with that later stage's parameters.
 `dag.parameter_holders` lists, per parameter, the pipeline ranks running a
 stage that reads it: several for embeddings tied across the first and last
 stage, and for every parameter under DualPipe's two copies. Those ranks
@@ -203,14 +209,24 @@ def _parameters_read(dag: TrainingDAG, compute: list[fx.Node], weighted: list[fx
 
 def _backward_stages(compute: list[fx.Node], forward_stage: dict[fx.Node, int],
                      num_stages: int) -> dict[fx.Node, int]:
+    """The stage of each backward op: a recomputation copy (`ops.RECOMPUTES`), that of the
+    forward value it copies; any other op, that of the forward op it differentiates (its
+    `seq_nr`), but never later than the stages of the backward values it reads other than
+    copies (gradients flow only to earlier stages: a copy read by another stage's op is
+    replaced by the forward value itself, `_recompute_within_stages`); an op with neither,
+    the latest stage of its users."""
     by_seq = _stages_by_seq(forward_stage)
     stage: dict[fx.Node, int] = {}
     for node in compute:
         if node.target is operator.getitem and node.args[0] in stage:  # a part of a multi-output op lives with it
             stage[node] = stage[node.args[0]]
             continue
+        copied = node.meta.get(RECOMPUTES)
+        if copied is not None and copied in forward_stage:
+            stage[node] = forward_stage[copied]
+            continue
         own = by_seq.get(node.meta.get("seq_nr"))
-        reads = [stage[i] for i in node.all_input_nodes if i in stage]
+        reads = [stage[i] for i in node.all_input_nodes if i in stage and RECOMPUTES not in i.meta]
         if reads:
             own = min(reads) if own is None else min(own, min(reads))
         if own is not None:
@@ -232,28 +248,22 @@ def _stages_by_seq(forward_stage: dict[fx.Node, int]) -> dict[int, int]:
     return by_seq
 
 
-def _recompute_within_stages(graph: fx.Graph, forward_stage: dict[fx.Node, int]) -> bool:
-    """Make every backward op (a recomputation copy, `ops.RECOMPUTES`, or an op it feeds)
-    read, in place of a copy of a value of another forward stage than its own, that value
-    itself; remove the copies no longer read. Whether the graph changed."""
-    by_seq = _stages_by_seq(forward_stage)
-    changed = False
+def _recompute_within_stages(graph: fx.Graph, stage: dict[fx.Node, int]) -> None:
+    """Make every op (`stage`: of every forward op, and `_backward_stages`'s of the backward
+    ones) read, in place of a recomputation copy (`ops.RECOMPUTES`) of a value of another
+    stage than its own, that value itself, kept from the forward; remove the copies no
+    longer read (from the graph and from `stage`)."""
     for node in graph.nodes:
-        if node in forward_stage:
-            continue
-        own = node.meta.get(RECOMPUTES)
-        own_stage = forward_stage.get(own) if own is not None else by_seq.get(node.meta.get("seq_nr"))
-        if own_stage is None:
+        if node not in stage:
             continue
         for value in node.all_input_nodes:
-            recomputes = value.meta.get(RECOMPUTES)
-            if recomputes is not None and forward_stage.get(recomputes) != own_stage:
-                node.replace_input_with(value, recomputes)
-                changed = True
+            copied = value.meta.get(RECOMPUTES)
+            if copied is not None and copied in stage and stage.get(value) != stage[node]:
+                node.replace_input_with(value, copied)
     for node in reversed(graph.nodes):  # users before what they read: a chain of unread copies goes at once
         if RECOMPUTES in node.meta and not node.users:
             graph.erase_node(node)
-    return changed
+            stage.pop(node, None)
 
 
 def _parameter_holders(dag: TrainingDAG, stage: dict[fx.Node, int]) -> dict[str, tuple[int, ...]]:
@@ -280,10 +290,9 @@ def split_stages(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     bwd_compute = [n for n in compute if n not in forward]
 
     stage = _forward_stages(dag, fwd_compute, num_stages)
-    if _recompute_within_stages(graph, stage):
-        compute = [n for n in graph.nodes if n.op in ("call_function", "get_attr")]
-        bwd_compute = [n for n in compute if n not in forward]
     stage.update(_backward_stages(bwd_compute, stage, num_stages))
+    _recompute_within_stages(graph, stage)
+    compute = [n for n in graph.nodes if n.op in ("call_function", "get_attr")]
     # Parts of a multi-output op live with it.
     for node in compute:
         if node.target is operator.getitem:

@@ -343,6 +343,14 @@ RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any,
     # the offsets as indices, from that row alone.
     torch.ops.prims._low_memory_max_pool_with_offsets.default: _batch_rows,
     torch.ops.prims._low_memory_max_pool_offsets_to_indices.default: _batch_rows,
+    # Pooling's gradients, for which DTensor has no rule (it has the forwards'): each row's
+    # (each plane's) from that row's gradient, input and indices alone (Funnel's pooling of
+    # the sequence, under eager code).
+    **dict.fromkeys((aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default,
+                     aten._adaptive_avg_pool2d_backward.default, aten._adaptive_avg_pool3d_backward.default,
+                     aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default,
+                     aten.adaptive_max_pool2d_backward.default, aten.adaptive_max_pool3d_backward.default),
+                    _batch_rows),
     aten.var_mean.correction: _row_statistics,
     torch.ops.prims.convert_element_type.default: _convert_element_type,
     # The embedding backward as Inductor decomposes it: a scatter-add into zeros.
