@@ -417,9 +417,15 @@ def test_a_gradient_of_one_row_squeezed_to_a_broadcast_values_shape_is_the_rows_
     with fx_traceback.preserve_node_meta():
         graph = _propagate(bias_gradient, ((1, 2, 9, 9), Shard(0)))
     assert _specs(graph, torch.ops.aten.squeeze.dim) == _specs(graph, torch.ops.aten.squeeze.dims) == [Partial("sum")]
-    # In the forward, squeezing the batch away is a model written for one row: no placement.
-    with pytest.raises(PiperError, match="squeezes dim 0 away only of a gradient"):
-        _propagate(lambda x: torch.ops.aten.squeeze.dim(x, 0), ((1, 2, 9, 9), Shard(0)))
+    # In the forward, a model squeezing every dimension of size 1 squeezes the batch away at one
+    # row a rank (mBART's labels' shift, einsum at one row): no placement, and the error says
+    # to give each rank more rows, wherever the rows are.
+    for squeeze, rows in ((lambda x: torch.ops.aten.squeeze.dim(x, 0), Shard(0)),
+                          (lambda x: torch.ops.aten.squeeze.default(x), Shard(0)),
+                          (lambda x: torch.ops.aten.squeeze.dim(x, 3), Shard(3))):
+        with pytest.raises(PiperError, match=r"squeezes away dimension \d, the batch's rows, one on this rank.*"
+                                             r"has one row on this rank.*with 2 rows or more a rank"):
+            _propagate(squeeze, ((1, 2, 9, 1), rows))
 
 
 def test_indexing_a_batch_by_its_row_numbers_keeps_its_rows():

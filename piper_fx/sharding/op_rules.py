@@ -315,14 +315,21 @@ def _squeeze_one_row(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> 
     attention scores), whose sum over the batch's rows autograd did not write, since at one
     row a rank's gradient already has the value's shape. The rows' sum is the gradient:
     each rank holds its row's part, `Partial(sum)`, of the squeezed value, and the rest of
-    the backward is linear in it. A forward value stays unplaced: squeezing the batch away
-    there means a model written for one row."""
+    the backward is linear in it. A forward value stays unplaced: a model that squeezes
+    every dimension of size 1 (`squeeze()`, as mBART's labels' shift does; `einsum` at one
+    row, XLNet's and Funnel's attention) squeezes away the batch's rows where a rank or a
+    microbatch has one, which a batch of more rows keeps (`specs._undecided` says so)."""
     (source, placement), = inputs
     ndim = source.meta["val"].dim()
     dims = node.args[1] if len(node.args) > 1 else range(ndim)
-    dims = [dims] if isinstance(dims, int) else dims
-    if not (placement == Shard(0) and source.meta["val"].shape[0] == 1 and 0 in [d % ndim for d in dims]
-            and node.meta.get("autograd_backward")):
+    dims = [d % ndim for d in ([dims] if isinstance(dims, int) else dims)]
+    rows = placement.dim if isinstance(placement, Shard) else None
+    if rows is None or source.meta["val"].shape[rows] != 1 or rows not in dims:
+        raise NoRule("it squeezes dim 0 away only of a gradient of one row Shard(0)")
+    if not node.meta.get("autograd_backward"):
+        raise NoRule(f"it squeezes away dimension {rows}, the batch's rows, one on this rank (`specs`' error "
+                     f"says more)")
+    if rows != 0:
         raise NoRule("it squeezes dim 0 away only of a gradient of one row Shard(0)")
     return Partial("sum"), []
 

@@ -171,15 +171,29 @@ def _own_op_spec(node: fx.Node) -> tuple[bool, Any]:
     return False, None
 
 
+def _one_row(node: fx.Node) -> str:
+    """Where an input of `node` is sharded along a dimension of size 1 on this rank (one row a
+    rank or a microbatch), what that can mean; else nothing."""
+    for a in node.all_input_nodes:
+        spec, val = a.meta.get(SPEC_KEY), a.meta.get("val")
+        if isinstance(spec, Shard) and isinstance(val, torch.Tensor) and val.dim() > spec.dim \
+                and val.shape[spec.dim] == 1:
+            return (f" Its input {a.name} has one row on this rank (dimension {spec.dim}): ops that treat every "
+                    f"dimension of size 1 alike (squeeze(), einsum, views) can drop or move the batch's rows "
+                    f"there, where a batch of more rows keeps them; with 2 rows or more a rank, and a "
+                    f"microbatch, the model may plan.")
+    return ""
+
+
 def _undecided(node: fx.Node, why: str) -> PiperError:
     inputs = ", ".join(f"{a.name}: {format_spec(a.meta.get(SPEC_KEY))}" for a in node.all_input_nodes)
     rules = ", ".join(sorted(str(op) for op in RULES))
     return PiperError(
-        f"piper_fx cannot place node {node.name} = {node.target}({inputs}): {why}. Placements come only from "
-        f"DTensor's sharding propagator and from piper_fx's own rules (piper_fx/sharding/specs.py and op_rules.py: its "
-        f"collectives and markers, replicated inputs, random values, and {rules}). Register a rule for it with "
-        f"DTensor (torch.distributed.tensor.experimental.register_sharding), which planning asks too, or "
-        f"report this op with your model to piper_fx")
+        f"piper_fx cannot place node {node.name} = {node.target}({inputs}): {why}.{_one_row(node)} Placements "
+        f"come only from DTensor's sharding propagator and from piper_fx's own rules (piper_fx/sharding/specs.py "
+        f"and op_rules.py: its collectives and markers, replicated inputs, random values, and {rules}). Register "
+        f"a rule for it with DTensor (torch.distributed.tensor.experimental.register_sharding), which planning "
+        f"asks too, or report this op with your model to piper_fx")
 
 
 def infer_spec(mesh: DeviceMesh, node: fx.Node, random_values: Callable[[fx.Node], Any] | None = None
