@@ -4,12 +4,15 @@ batch were called with batches of the same shapes. Each raises a `PiperError` na
 differs."""
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .errors import PiperError
 from .options import Strategy
+from .runtime import failures
 from .sharding.mesh import rank_groups, strategy_mesh
 
 
@@ -55,8 +58,7 @@ def check_batches_agree(strategy: Strategy, shapes: dict[int, tuple[int, ...]], 
     Collective: over every rank at a model's first compile (`together`), which they all make at
     once, so that every rank raises, those of groups that agree too; at a later one for a batch
     shape new to this rank, over its pipeline and expert groups, whose ranks compile for a new
-    shape at the same call. (A rank called with a shape new to it while a peer's is not waits
-    for that peer until the process group's timeout.)"""
+    shape at the same call (`_later_shapes`)."""
     dims = [dim for dim, size in (("pp", strategy.pp), ("ep", strategy.ep)) if size > 1]
     if not dims:
         return
@@ -69,11 +71,8 @@ def check_batches_agree(strategy: Strategy, shapes: dict[int, tuple[int, ...]], 
     else:
         groups = []
         for dim in dims:
-            group = strategy_mesh(strategy)[dim].get_group()
-            gathered = [None] * group.size()
-            dist.all_gather_object(gathered, shapes, group=group)
-            ranks = dist.get_process_group_ranks(group)
-            everyone.update(zip(ranks, gathered))
+            ranks = dist.get_process_group_ranks(strategy_mesh(strategy)[dim].get_group())
+            everyone.update(_later_shapes(shapes, dim, ranks))
             groups.append((dim, ranks))
     for dim, ranks in groups:
         if len({batch_key(everyone[rank]) for rank in ranks}) > 1:  # ranks may index their arguments apart
@@ -82,6 +81,34 @@ def check_batches_agree(strategy: Strategy, shapes: dict[int, tuple[int, ...]], 
                                 for rank in ranks)
             raise PiperError(f"{_BATCH_SIZED_MESSAGES[dim]}, so they must be called with batches of the same "
                              f"shapes; got {by_rank}")
+
+
+def _later_shapes(shapes: dict[int, tuple[int, ...]], dim: str, ranks: list[int]) -> dict[int, dict]:
+    """The batch shapes of each of `ranks` (this rank's group along mesh dimension `dim`) at a
+    later compile of this rank's: each writes its own to the process group's store, under the
+    number of the coming step call, and waits for the others'. A peer called with shapes it has
+    a step for runs that step instead, blocked on this rank: when the others' shapes are not
+    there within half the store's timeout (the process group's), sooner than that peer's own
+    receive gives up, this rank raises a `PiperError` saying why, recorded for the peers
+    (`failures.raise_failure`), which then name it."""
+    store, call, rank = dist.group.WORLD.get_group_store(), failures.upcoming_call(), dist.get_rank()
+    key = f"piper_fx/later_batch_shapes/{call}/" + "{}"
+    store.set(key.format(rank), json.dumps(list(shapes.items())))
+    try:
+        store.wait([key.format(peer) for peer in ranks], store.timeout / 2)
+    except Exception as error:  # noqa: BLE001 - the store's timeout, whatever its type
+        try:
+            shown = ", ".join(f"compiled argument {index} of shape {shape}" for index, shape in shapes.items())
+            raise PiperError(f"this rank was called with batch shapes new to it ({shown}) and compiles a step for "
+                             f"them, but the other ranks of its group along mesh dimension {dim} (ranks {ranks}) did "
+                             f"not compile one at this call within {store.timeout.total_seconds() / 2:.0f} s: "
+                             f"{_BATCH_SIZED_MESSAGES[dim]}, "
+                             f"so they must be called with batches of the same shapes; a rank called with shapes it "
+                             f"has a step for runs that step, and waits for this rank") from error
+        except PiperError as refused:
+            failures.raise_failure(refused, rank, call, "compiling a step for a new batch shape", started=False)
+    return {peer: {index: tuple(shape) for index, shape in json.loads(store.get(key.format(peer)))}
+            for peer in ranks}
 
 
 def batch_key(shapes: dict[int, tuple[int, ...]]) -> tuple:

@@ -149,3 +149,18 @@ def test_ranks_that_exchange_batch_sized_messages_called_with_other_batch_shapes
                 (rank, message)
         if case == "dp2_pp2":  # the pipeline that agrees is not named
             assert "rank 0:" not in message and "rank 2:" not in message, (rank, message)
+
+
+def test_a_rank_compiling_for_a_batch_shape_its_pipeline_peer_has_a_step_for_is_named_by_both():
+    """Rank 0 is called with 8 rows after a step of 4, rank 1 with 4 again: rank 1 runs the step
+    it has, blocked on rank 0, and rank 0 compiles one for 8 rows. Rank 0 waited for rank 1 to
+    compile too until the process group's timeout, with nothing said of why; now it waits half
+    of it and raises, and rank 1, whose receive gives up later, names it."""
+    pipeline = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "1f1b", "microbatches": 4}}
+    messages = _values(run_ranks_collect(mismatched_batches_worker, 2, pipeline, [4, 4], [8, 4], deadline_s=300,
+                                         collective_timeout_s=TIMEOUT_S))
+    mine = "this rank was called with batch shapes new to it (compiled argument "
+    assert messages[0].startswith(mine) and "of shape (8, 9)" in messages[0] and "ranks [0, 1]" in messages[0] \
+        and "must be called with batches of the same shapes" in messages[0], messages[0]
+    assert messages[1].startswith("piper_fx rank 1: rank 0 failed compiling a step for a new batch shape: "
+                                  "PiperError: " + mine), messages[1]

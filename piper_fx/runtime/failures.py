@@ -36,7 +36,6 @@ caller went on, that record must not be blamed for a later failure.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import weakref
 from dataclasses import asdict, dataclass
@@ -49,9 +48,9 @@ from ..errors import PeerFailedError
 _KEY = "piper_fx/first_failure"
 _MAX_ERROR_CHARS = 2000
 
-# Step calls made over each process group: the group's, dropped with it (a new
-# group, e.g. after `destroy_process_group`, numbers its calls from 0).
-_calls: weakref.WeakKeyDictionary[dist.ProcessGroup, itertools.count] = weakref.WeakKeyDictionary()
+# The number of the next step call over each process group: the group's, dropped with it
+# (a new group, e.g. after `destroy_process_group`, numbers its calls from 0).
+_calls: weakref.WeakKeyDictionary[dist.ProcessGroup, list[int]] = weakref.WeakKeyDictionary()
 
 
 def next_call() -> int:
@@ -59,7 +58,17 @@ def next_call() -> int:
     the default process group (0 without one: there is no peer to tell)."""
     if not dist.is_initialized():
         return 0
-    return next(_calls.setdefault(dist.group.WORLD, itertools.count()))
+    count = _calls.setdefault(dist.group.WORLD, [0])
+    count[0] += 1
+    return count[0] - 1
+
+
+def upcoming_call() -> int:
+    """The number `next_call` will give the coming call, not taken: that of a step being
+    compiled before its call runs."""
+    if not dist.is_initialized():
+        return 0
+    return _calls.get(dist.group.WORLD, [0])[0]
 
 
 @dataclass(frozen=True)
