@@ -894,10 +894,9 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
                      lengths: list[int | list[int]] | None = None) -> dict:
     """A tiny Hugging Face model (`HUGGING_FACE[name]` or `EAGER_CODE_ONLY[name]`) trained with
     piper_fx on this rank's shard of `rows` rows a replica against one copy on the global batch
-    (SGD with momentum):
-    relative errors of the losses, and the parameters (by name) whose final values are not
-    those of the copy (`torch.allclose`, rtol 1e-5, atol 1e-7: a key projection's bias has
-    no gradient but rounding). Under a pipeline, the compiled module is the model in a
+    (SGD with momentum): relative errors of the losses, and the parameters (by name) whose
+    final values are not those of the copy (`torch.allclose`, rtol 1e-5, atol 1e-7: a key
+    projection's bias has no gradient but rounding). Under a pipeline, the compiled module is the model in a
     `LossOf`. With `pad`, the batch is `padded`, and the model is called with its attention
     mask. With `checkpointed`, the model recomputes its layers' activations in the backward
     (transformers' `activation_checkpointing_enable`, non-reentrant, with no key and value

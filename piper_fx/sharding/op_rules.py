@@ -324,12 +324,11 @@ def _squeeze_one_row(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> 
     dims = node.args[1] if len(node.args) > 1 else range(ndim)
     dims = [d % ndim for d in ([dims] if isinstance(dims, int) else dims)]
     rows = placement.dim if isinstance(placement, Shard) else None
-    if rows is None or source.meta["val"].shape[rows] != 1 or rows not in dims:
-        raise NoRule("it squeezes dim 0 away only of a gradient of one row Shard(0)")
-    if not node.meta.get("autograd_backward"):
+    squeezes_rows = rows is not None and source.meta["val"].shape[rows] == 1 and rows in dims
+    if squeezes_rows and not node.meta.get("autograd_backward"):
         raise NoRule(f"it squeezes away dimension {rows}, the batch's rows, one on this rank (`specs`' error "
                      f"says more)")
-    if rows != 0:
+    if not (squeezes_rows and rows == 0):
         raise NoRule("it squeezes dim 0 away only of a gradient of one row Shard(0)")
     return Partial("sum"), []
 
