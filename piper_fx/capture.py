@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from typing import Sequence
 
 import torch
 import torch.fx as fx
@@ -285,17 +284,23 @@ def _describe_inputs(joint: fx.GraphModule, traced_inputs: list, arg_indices: li
     return inputs
 
 
-def _describe_outputs(output_node: fx.Node, arg_indices: list[int],
-                      training: bool) -> tuple[list[GraphOutput], list[fx.Node]]:
-    """The role of every value the joint graph returns (loss, output, gradient, mutation), and the values."""
+def _describe_outputs(output_node: fx.Node, arg_indices: list[int], training: bool,
+                      attached: dict[int, str]) -> tuple[list[GraphOutput], list[fx.Node]]:
+    """The role of every value the joint graph returns (loss, output, gradient, mutation), and the
+    values. Output 0 is the loss in training, and in inference where it is a floating scalar (an
+    evaluation's loss, averaged over microbatches as in training); `attached`: the outputs beside
+    it the model made with a gradient, by index, with where (`_detach_outputs_beside_the_loss`)."""
     outputs: list[GraphOutput] = []
     kept: list[fx.Node] = []
     for value, desc in zip(output_node.args[0], output_node.meta["desc"]):
         if value is None:
             continue
         if isinstance(desc, aot_desc.PlainAOTOutput):
-            role = OutputRole.LOSS if training and desc.idx == 0 else OutputRole.OUTPUT
-            outputs.append(GraphOutput(value.name, role, desc.idx))
+            val = value.meta.get("val")
+            loss = desc.idx == 0 and (training or (
+                isinstance(val, torch.Tensor) and val.numel() == 1 and val.is_floating_point()))
+            role = OutputRole.LOSS if loss else OutputRole.OUTPUT
+            outputs.append(GraphOutput(value.name, role, desc.idx, attached.get(desc.idx)))
         elif isinstance(desc, aot_desc.GradAOTOutput) and isinstance(desc.grad_of, aot_desc.PlainAOTInput):
             outputs.append(GraphOutput(value.name, OutputRole.GRAD, arg_indices[desc.grad_of.idx]))
         elif isinstance(desc, aot_desc.InputMutationAOTOutput) and isinstance(
@@ -317,39 +322,78 @@ _FIXED_BATCH = (
 
 
 def _not_one_scalar_loss(differentiable: int, shape: tuple | None, microbatches: int,
-                         others: Sequence[str] = ()) -> PiperError:
+                         scalar_at: int | None = None) -> PiperError:
     return PiperError(
         f"the compiled graph returns {differentiable} differentiable outputs, the first of shape "
         f"{shape}; piper_fx runs whole training steps and needs the model to return its scalar "
-        "loss first and nothing else that requires grad"
-        + (f" (beside the loss it returns {'; '.join(others)}: a tensor the model keeps from its forward, "
-           "on a module's attribute say, as a recurrent state or a key and value cache, is returned from "
-           "Dynamo's graph too; keep none in training (a Hugging Face model's cache: use_cache=False)"
-           if others else "")
+        "loss first"
+        + (f" (the graph's output {scalar_at} is a scalar: Dynamo returns the tensors of an object the "
+           "forward made before the model's outputs, as a Hugging Face model's key and value cache; "
+           "keep none in training: use_cache=False)" if scalar_at else "")
         + ". A graph break also splits the model "
         "into graphs that do not end in the loss: compile with fullgraph=True to find it"
         + (". Under a pipeline, piper_fx.prepare marks the batch size dynamic in a hook of the "
            "module it prepared, which breaks a function compiled around its call there: compile "
-           "a module whose forward returns the loss (for a Hugging Face model, one returning "
-           "model(...).loss)" if microbatches > 1 else ""))
+           "that module (a Hugging Face model itself, called with its labels)" if microbatches > 1 else ""))
 
 
 def _check_first_output_is_a_scalar(gm: fx.GraphModule, microbatches: int) -> None:
     """Before anything is traced: a training graph from Dynamo whose first output is not a
     scalar is not a whole training step (a graph break ended it early, say), whatever its
     arguments are (a graph after a break takes values of the model's, not its batch)."""
-    outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
-    values = [node.meta.get("example_value") for node in (outputs if isinstance(outputs, (tuple, list)) else [outputs])
-              if isinstance(node, fx.Node)]
+    values = [node.meta.get("example_value") for node in _returned(gm) if isinstance(node, fx.Node)]
     differentiable = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
     if differentiable and (differentiable[0] is not values[0] or values[0].numel() != 1):
         first = values[0]
+        scalar_at = next((i for i, v in enumerate(values) if i and isinstance(v, torch.Tensor) and v.requires_grad
+                          and v.numel() == 1), None)
         raise _not_one_scalar_loss(len(differentiable), tuple(first.shape) if isinstance(first, torch.Tensor) else None,
-                                   microbatches)
-    if len(differentiable) > 1:  # the scalar loss, and more
-        made = [_made_where(node) for node in outputs[1:] if isinstance(node, fx.Node)
-                and isinstance(value := node.meta.get("example_value"), torch.Tensor) and value.requires_grad]
-        raise _not_one_scalar_loss(len(differentiable), (), microbatches, made)
+                                   microbatches, scalar_at)
+
+
+def _returned(gm: fx.GraphModule) -> list:
+    """What Dynamo's graph returns, flat: the model's outputs (a `ModelOutput`'s fields, say), and
+    any tensor its forward left on a module (a recurrent state), which Dynamo's code stores there."""
+    outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+
+
+def _detach_outputs_beside_the_loss(gm: fx.GraphModule) -> dict[int, str]:
+    """Return every output but the loss (output 0) of Dynamo's graph `gm` detached, so that the
+    step differentiates the loss alone; for each output that required grad, where the model made
+    it (its index -> `_made_where`), which the step returns attached (`runtime.step`)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    returned, made = _returned(gm), {}
+    for index, node in enumerate(returned[1:], 1):
+        example = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+        if isinstance(example, torch.Tensor) and example.requires_grad:
+            made[index] = _made_where(node)
+            with gm.graph.inserting_before(output):
+                returned[index] = gm.graph.call_method("detach", (node,))
+            returned[index].meta["example_value"] = example
+    if made:
+        output.args = (type(output.args[0])(returned) if isinstance(output.args[0], (tuple, list)) else returned[0],)
+        gm.recompile()
+    return made
+
+
+def _check_outputs_split_by_rows(joint: fx.GraphModule, inputs: list[GraphInput], outputs: list[GraphOutput],
+                                 made: dict[int, str], microbatches: int) -> None:
+    """With microbatches, each output beside the loss has the microbatch's rows at dim 0, so that the
+    microbatches' concatenated are the batch's, as one call on the whole batch returns it."""
+    vals = {n.name: n.meta.get("val") for n in joint.graph.nodes}
+    rows = {vals[i.name].shape[0] for i in inputs if i.role is InputRole.INPUT and vals[i.name].dim()}
+    for output in outputs:
+        val = vals.get(output.name)
+        if output.role is OutputRole.OUTPUT and isinstance(val, torch.Tensor) and (
+                val.dim() == 0 or val.shape[0] not in rows):
+            raise PiperError(
+                f"the model's output {output.index} ({made.get(output.index, output.name)}) has shape "
+                f"{tuple(val.shape)} in a microbatch of {sorted(rows)} rows: with options['pipeline']"
+                f"['microbatches'] = {microbatches}, the step splits the batch along dim 0 and returns an "
+                "output beside the loss as its microbatches' concatenated along dim 0, which needs the "
+                "microbatch's rows there. Return a value per row (a metric per sequence, say) and reduce "
+                "it outside the step, or return it in the loss")
 
 
 def _made_where(node: fx.Node) -> str:
@@ -381,13 +425,18 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     the scalar loss when training, with its inputs' sources kept (`keep_input_sources`).
     Guarantees: a `TrainingDAG` whose joint graph
     takes its placeholders in order and returns exactly `dag.outputs` as a flat tuple,
-    each node a unit's forward runs or differentiates marked with that unit (`ops.LAYER`).
+    each node a unit's forward runs or differentiates marked with that unit (`ops.LAYER`);
+    it differentiates the loss alone: an output beside it that the model made with a
+    gradient is returned detached, its `GraphOutput.made_at` saying where the model made it.
+    With microbatches, every output beside the loss has the microbatch's rows at dim 0.
     """
     dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sized = any(_is_size_input(node, example) for node, example in zip(dynamo_placeholders, example_inputs))
     if torch.is_grad_enabled():
         _check_first_output_is_a_scalar(gm, strategy.microbatches)
     gm, traced_inputs, arg_indices = _specialize_to_microbatch(gm, example_inputs, strategy.microbatches)
+    made = {index: _made_where(node) for index, node in enumerate(_returned(gm)) if isinstance(node, fx.Node)}
+    attached = _detach_outputs_beside_the_loss(gm) if torch.is_grad_enabled() else {}
     dynamo_placeholders = [dynamo_placeholders[i] for i in arg_indices]
     _trace_mixed_precision(gm, traced_inputs, strategy.mixed_precision)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in traced_inputs)
@@ -414,9 +463,11 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     names = [placeholder_name(example_inputs[i]) for i in arg_indices]
     inputs = _describe_inputs(joint, traced_inputs, arg_indices, dynamo_placeholders, names)
     output_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
-    outputs, kept = _describe_outputs(output_node, arg_indices, training)
+    outputs, kept = _describe_outputs(output_node, arg_indices, training, attached)
     if training:
         _check_one_scalar_loss(joint, inputs, outputs, strategy.microbatches)
+    if strategy.microbatches > 1:
+        _check_outputs_split_by_rows(joint, inputs, outputs, made, strategy.microbatches)
 
     # A flat calling convention (placeholders in, flat tuple out) for the passes.
     joint.graph._codegen = fx.graph.CodeGen()

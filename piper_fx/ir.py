@@ -46,8 +46,8 @@ HELD_ROLES = (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)
 
 
 class OutputRole(enum.Enum):
-    LOSS = "loss"          # user output 0 of a training graph: the replica's scalar loss
-    OUTPUT = "output"      # any other user output (no gradient flows back through it)
+    LOSS = "loss"          # user output 0, a scalar (always, in training): the replica's loss
+    OUTPUT = "output"      # any other user output, per microbatch (no gradient flows back through it)
     GRAD = "grad"          # gradient of a graph input
     MUTATION = "mutation"  # new value of an input mutated in place (e.g. BatchNorm stats)
 
@@ -66,6 +66,9 @@ class GraphOutput:
     name: str                    # node name in the joint graph
     role: OutputRole
     index: int                   # user output index (LOSS, OUTPUT) or argument index (GRAD, MUTATION)
+    # An OUTPUT the model made with a gradient: where it made it (`capture`). The step returns
+    # it for reading, and refuses a gradient flowing back into it.
+    made_at: str | None = None
 
 
 class TaskKind(enum.Enum):
@@ -307,11 +310,16 @@ class RankProgram:
         tasks = {name: replace(task, graph=None) for name, task in self.tasks.items()}
         return replace(self, tasks=tasks)
 
+    def output_keys(self, name: str) -> list[tuple[str, int | None]]:
+        """The keys the output `name` is handed back from: one a step, or one a microbatch
+        (a user's output beside the loss, which the runtime concatenates along dim 0)."""
+        return [self.key(name, m) for m in ((None,) if name in self.per_step else range(self.num_microbatches))]
+
     def frees_after(self) -> list[list[tuple[str, int | None]]]:
         """Per instruction, the values freed once it has run: each value after the last
         instruction that reads it, except the program's outputs (what the runtime's
         `ProgramExecutor` drops)."""
-        kept = {(name, None) for name in self.outputs}
+        kept = {key for name in self.outputs for key in self.output_keys(name)}
         last_read: dict[tuple[str, int | None], int] = {}
         for index, instruction in enumerate(self.instructions):
             for key in self.reads(instruction):

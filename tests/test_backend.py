@@ -208,12 +208,95 @@ class KeepsItsState(torch.nn.Module):
         return state.square().mean()
 
 
-def test_a_tensor_the_model_keeps_from_its_forward_is_refused_naming_where_it_is_made():
-    """Dynamo returns a tensor stored on a module from the graph, beside the loss: the error
-    names it and the line that made it, before anything is traced."""
-    with pytest.raises(PiperError, match=r"beside the loss it returns state, made at test_backend.py:\d+ in "
-                                         r"forward \(state = torch.tanh\(self.fc\(x\)\)\)"):
-        torch.compile(KeepsItsState(), backend="piper", options=EAGER)(torch.randn(2, 3))
+def test_a_tensor_the_model_keeps_from_its_forward_is_the_steps_and_refuses_a_gradient_naming_where_it_is_made():
+    """Dynamo returns a tensor stored on a module from the graph, beside the loss, and its code
+    stores what the step returns: the module keeps the state one process computes, attached to
+    the step's autograd node, and a gradient reaching it names it and the line that made it."""
+    torch.manual_seed(0)
+    model, reference = KeepsItsState(), KeepsItsState()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3)
+    step = torch.compile(model, backend="piper", options={**EAGER, "pipeline": {"microbatches": 2}})
+    step(x).backward()
+    reference(x).backward()
+    torch.testing.assert_close(model.state, reference.state.detach(), rtol=1e-6, atol=1e-7)
+    assert model.state.requires_grad
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    step(x)
+    with pytest.raises(PiperError, match=r"output 1 \(state, made at test_backend.py:\d+ in "
+                                         r"forward \(state = torch.tanh\(self.fc\(x\)\)\)\)"):
+        model.state.sum().backward()
+
+
+class ReturnsLogits(torch.nn.Module):
+    """A classifier returning its loss, its logits and whether each row's guess is right."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        logits = self.fc(x)
+        return torch.nn.functional.cross_entropy(logits, y), logits, logits.argmax(-1) == y
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_outputs_beside_the_loss_are_those_of_one_call_on_the_whole_batch(microbatches):
+    """The program handed back the loss alone, and the step returned None for a model's other
+    outputs (autograd then refused them: "mark_non_differentiable only accepts variable
+    arguments"). Now each comes back as eager PyTorch returns it, the microbatches'
+    concatenated along dim 0; the logits, which the model made with a gradient, attached, and a
+    gradient reaching them is refused, not dropped."""
+    torch.manual_seed(0)
+    model, reference = ReturnsLogits(), ReturnsLogits()
+    reference.load_state_dict(model.state_dict())
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    step = torch.compile(model, backend="piper", options={**EAGER, "pipeline": {"microbatches": microbatches}})
+    loss, logits, right = step(x, y)
+    ref_loss, ref_logits, ref_right = reference(x, y)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(logits, ref_logits.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(right, ref_right) and logits.requires_grad and not right.requires_grad
+    loss.backward()
+    ref_loss.backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    loss, logits, _ = step(x, y)
+    with pytest.raises(PiperError, match=r"output 1 \(logits, made at test_backend.py:\d+ in forward "
+                                         r"\(logits = self.fc\(x\)\)\).*differentiates the loss"):
+        (loss + logits.square().mean()).backward()
+    with torch.no_grad():  # the loss of an evaluation, averaged over microbatches as in training
+        for value, expected in zip(step(x, y), reference(x, y)):
+            torch.testing.assert_close(value, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_inference_returns_a_first_output_of_rows_as_one_call_on_the_whole_batch():
+    """Under no_grad, an output 0 that is not a scalar is not a loss to average over microbatches
+    (the step added the microbatches' logits, and failed on their shapes)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        logits = torch.compile(layer, backend="piper", options={**EAGER, "pipeline": {"microbatches": 2}})(x)
+        torch.testing.assert_close(logits, layer(x), rtol=1e-6, atol=1e-7)
+
+
+def test_an_output_without_the_microbatchs_rows_is_refused_naming_where_it_is_made():
+    """With microbatches the step returns an output beside the loss as the microbatches'
+    concatenated: one of no rows (a count over the batch) has no such whole, and is refused."""
+    class Counts(ReturnsLogits):
+        def forward(self, x, y):
+            loss, logits, right = super().forward(x, y)
+            return loss, right.sum()
+
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    with pytest.raises(PiperError, match=r"output 1 \(sum_1, made at test_backend.py:\d+ in forward "
+                                         r"\(return loss, right.sum\(\)\)\) has shape \(\) in a microbatch of \[2\] rows"):
+        torch.compile(Counts(), backend="piper", options={**EAGER, "pipeline": {"microbatches": 2}})(x, y)
+    torch._dynamo.reset()
+    loss, count = torch.compile(Counts(), backend="piper", options=EAGER)(x, y)  # one microbatch: as it is
+    assert count.dim() == 0
 
 
 def test_debug_dumps_show_every_stage(tmp_path):

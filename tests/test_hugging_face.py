@@ -8,14 +8,16 @@ the batch as it is and padded (80 cases, under 4 minutes on 2 cores). A property
 models and strategies over 2 and 4 ranks (every ZeRO level, every schedule, activation
 checkpointing, buckets, Inductor, padding, the model built on the meta device): the same 6
 cases in `make test`, `PIPER_HF_EXAMPLES=N` for a longer, randomly seeded search."""
+import multiprocessing
 import os
+import re
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from ranks import run_ranks
-from training import HUGGING_FACE, LLAMA_SEQ, VISION, hf_parity_worker, vision_parity_worker
+from training import HUGGING_FACE, LLAMA_SEQ, VISION, hf_outputs_worker, hf_parity_worker, vision_parity_worker
 
 ZERO3 = {"zero": 3, "codegen": "eager"}
 ONE_F_ONE_B = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "1f1b", "microbatches": 2}}
@@ -156,6 +158,61 @@ def test_a_later_stage_recomputing_a_value_from_an_earlier_stages_output_trains_
         _check_parity(run_ranks(hf_parity_worker, 2, "funnel", strategy), param_error=1e-5)
 
 
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "dualpipev"])
+def test_a_hugging_face_model_compiled_itself_returns_its_logits_beside_its_loss(strategy):
+    """`torch.compile(model, backend="piper")` of Llama itself, called with keywords: it returns
+    its `CausalLMOutputWithPast`, whose logits the step refused ("nothing else that requires
+    grad"; a module returning the loss alone had to be compiled instead). Each rank returns its
+    replica's logits, as one process computes them on those rows; under a pipeline the rank
+    whose stage makes them (rank 1 under 1F1B, rank 0 under DualPipeV, whose last stage is
+    there) and None elsewhere, as torch.distributed.pipelining returns a stage's output."""
+    options = STRATEGIES.get(strategy) or {"mesh": {"pp": 2}, "codegen": "eager",
+                                           "pipeline": {"schedule": "dualpipev", "microbatches": 4}}
+    results = run_ranks(hf_outputs_worker, 2, options)
+    _check_parity(results)
+    holders = {"zero3": [0, 1], "1f1b": [1], "dualpipev": [0]}[strategy]
+    for rank, result in enumerate(results):
+        if rank in holders:
+            assert max(result["logits_errors"]) < 1e-6, (rank, result["logits_errors"])
+        else:
+            assert result["logits_errors"] == [None, None], (rank, result["logits_errors"])
+
+
+def _outputs_under_bidirectional_dualpipe() -> str:
+    """The error of Llama compiled itself under bidirectional DualPipe, planned as rank 0 of 2 on a
+    fake process group."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import piper_fx
+    from training import llama_batch, tiny_llama
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    torch.manual_seed(0)
+    model = tiny_llama()
+    model.config.use_cache = False
+    options = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "dualpipe", "microbatches": 4}}
+    piper_fx.prepare(model, options)
+    x, y = llama_batch(0, 4)
+    try:
+        torch.compile(model, backend="piper", options=options)(input_ids=x, labels=y)
+    except piper_fx.PiperError as error:
+        return str(error)
+    finally:
+        dist.destroy_process_group()
+    return "no error"
+
+
+def test_an_output_of_a_stage_two_ranks_run_is_refused_naming_it():
+    """Bidirectional DualPipe runs each stage on both ranks, each for half the microbatches: the
+    logits have no one rank to return them, and the error says so before anything runs."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        error = pool.apply(_outputs_under_bidirectional_dualpipe)
+    assert re.search(r"output 1 \(logits, made at modeling_llama.py:\d+ in forward .*\) is made by stage \d, "
+                     r"which this schedule runs on pipeline ranks \[0, 1\].*model\(\.\.\.\)\.loss", error), error
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_t5_trains_on_one_row_a_rank_or_a_microbatch(strategy):
     """T5 adds one position bias to every row's attention scores. At one row, autograd writes no
@@ -175,11 +232,12 @@ SCHEDULE_MICROBATCHES = {"gpipe": 2, "1f1b": 2, "interleaved_1f1b": 2, "zb1p": 2
 
 
 @st.composite
-def hf_cases(draw) -> tuple[str, int, dict, bool, bool, list[int] | None]:
+def hf_cases(draw) -> tuple[str, int, dict, bool, bool, list[int] | None, bool]:
     """A Hugging Face model, a strategy over 2 ranks (data parallel at a ZeRO level, or a
     pipeline schedule) or 4 (both), whether the batch is padded, whether the model is built on
-    the meta device (then prepared, materialized and loaded), and the steps' sequence lengths
-    where they change (a step compiled for each), all replicas' or each one's."""
+    the meta device (then prepared, materialized and loaded), the steps' sequence lengths
+    where they change (a step compiled for each), all replicas' or each one's, and whether the
+    model is compiled itself (returning its `ModelOutput`) or a module returning its loss."""
     codegen = "inductor" if draw(st.integers(1, 6)) == 1 else "eager"
     options = {"codegen": codegen, "bucket_mb": draw(st.sampled_from((25.0, 0.001))), "overlap": draw(st.booleans()),
                "activation_checkpointing": {"mode": draw(st.sampled_from(("none", "full", "selective")))}}
@@ -197,7 +255,7 @@ def hf_cases(draw) -> tuple[str, int, dict, bool, bool, list[int] | None]:
         apart = [[LLAMA_SEQ] * dp, [LLAMA_SEQ - 4] + [LLAMA_SEQ] * (dp - 1), [LLAMA_SEQ] + [LLAMA_SEQ - 4] * (dp - 1)]
         lengths = apart if dp > 1 else [LLAMA_SEQ, LLAMA_SEQ - 4, LLAMA_SEQ]
     return (draw(st.sampled_from(sorted(HUGGING_FACE))), world, options, draw(st.booleans()), draw(st.booleans()),
-            lengths)
+            lengths, draw(st.booleans()))
 
 
 @settings(max_examples=HF_EXAMPLES or 6, derandomize=not HF_EXAMPLES, database=None, deadline=None,
@@ -207,13 +265,14 @@ def hf_cases(draw) -> tuple[str, int, dict, bool, bool, list[int] | None]:
 def test_generated_strategies_train_hugging_face_models_as_one_process_does(case):
     """Within 1e-5 of one process's losses and parameters (of each one's largest value, the
     strategy tests' bound): microbatches and ranks sum a batch's rows otherwise than one process."""
-    name, world, options, pad, on_meta, lengths = case
-    print(name, world, options, "padded" if pad else "", "on meta" if on_meta else "", lengths or "")
+    name, world, options, pad, on_meta, lengths, itself = case
+    print(name, world, options, "padded" if pad else "", "on meta" if on_meta else "", lengths or "",
+          "itself" if itself else "")
     # A padded batch's pairs of rows hold as many tokens each: two rows a microbatch keep the
     # microbatches' mean loss the batch's.
     rows = 2 * options["pipeline"]["microbatches"] if "pipeline" in options else 4
     _check_parity(run_ranks(hf_parity_worker, world, name, options, 3, rows, pad, False, on_meta, lengths,
-                            deadline_s=400), param_error=1e-5)
+                            itself, deadline_s=400), param_error=1e-5)
 
 
 def test_a_multi_output_op_at_a_stage_boundary_stays_with_its_parts():

@@ -819,8 +819,10 @@ EAGER_CODE_ONLY = {
 
 
 class LossOf(nn.Module):
-    """A module around a Hugging Face model whose forward returns the loss alone, as a
-    pipeline's compiled module must (`piper_fx.prepare` marks its batch dynamic)."""
+    """A module around a Hugging Face model whose forward returns the loss alone, which
+    `hf_parity_worker` compiles under a pipeline: `piper_fx.prepare` marks the batch dynamic
+    in a hook of the module it prepares, which would break the function it compiles otherwise.
+    (The model itself compiles too: `hf_outputs_worker`.)"""
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -891,7 +893,7 @@ def frozen_worker(rank: int, world: int, options: dict, pp_regions: bool) -> dic
 
 def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3, rows: int = 4,
                      pad: bool = False, checkpointed: bool = False, on_meta: bool = False,
-                     lengths: list[int | list[int]] | None = None) -> dict:
+                     lengths: list[int | list[int]] | None = None, itself: bool = False) -> dict:
     """A tiny Hugging Face model (`HUGGING_FACE[name]` or `EAGER_CODE_ONLY[name]`) trained with
     piper_fx on this rank's shard of `rows` rows a replica against one copy on the global batch
     (SGD with momentum): relative errors of the losses, and the parameters (by name) whose
@@ -905,7 +907,9 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     With `lengths`, step i's sequences have that many tokens (as batches padded to their
     longest row do; each length compiles a step of its own), or as many as the list names
     for each replica (each rank pads its batch to its own longest row): then against one copy
-    stepping on the mean of the replicas' losses, as DDP trains on them."""
+    stepping on the mean of the replicas' losses, as DDP trains on them. With `itself`, the
+    compiled module is the model itself, called with keywords and returning its `ModelOutput`
+    (with no key and value cache, `without_cache`), whose loss trains."""
     build = HUGGING_FACE.get(name) or EAGER_CODE_ONLY[name]
     torch.manual_seed(0)
     reference = build()
@@ -921,15 +925,23 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
         model.config.use_cache = False
     mesh = options.get("mesh", {})
     dp = mesh.get("dp", world // mesh.get("pp", 1))
-    compiled = LossOf(model) if mesh.get("pp", 1) > 1 else None
+    compiled = LossOf(model) if mesh.get("pp", 1) > 1 and not itself else None
+    if itself:
+        without_cache(model)
     piper_fx.prepare(compiled or model, options)
     if on_meta:  # the module prepare laid out, which keeps tied parameters tied (`laid_out_on_meta`)
         materialize_as(compiled or model, LossOf(source) if compiled else source)
     opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
-    def loss_of(x, y, attention_mask=None):
-        return model(input_ids=x, attention_mask=attention_mask, labels=y).loss
+    if itself:
+        whole = torch.compile(model, backend="piper", options=options)
 
-    step = torch.compile(compiled or loss_of, backend="piper", options=options)
+        def step(x, y, attention_mask=None):
+            return whole(input_ids=x, attention_mask=attention_mask, labels=y).loss
+    else:
+        def loss_of(x, y, attention_mask=None):
+            return model(input_ids=x, attention_mask=attention_mask, labels=y).loss
+
+        step = torch.compile(compiled or loss_of, backend="piper", options=options)
     loss_errors = []
     for i in range(len(lengths) if lengths else steps):
         batch = llama_batch(i, rows * dp)  # by default 4 rows a replica: 2 a microbatch under a pipeline
@@ -947,6 +959,46 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
             else LossOf(reference)(*batch)
         loss_errors.append(_step_both(loss, opt, ref_loss, ref_opt, world))
     return _parity(compiled or model, reference, loss_errors)
+
+
+def hf_outputs_worker(rank: int, world: int, options: dict, steps: int = 2, rows: int = 4) -> dict:
+    """Hugging Face's Llama compiled itself, as one compiles it for eager training, not a module
+    returning its loss: called with keywords, it returns its `CausalLMOutputWithPast`, the loss
+    beside the logits. Trained on this rank's shard of `rows` rows a replica against one copy on
+    the global batch (SGD with momentum): the relative errors of the losses, the parameters that
+    differ (as `hf_parity_worker`), and per step the largest difference of the logits the step
+    returned from the copy's on this replica's rows, or None where the rank returned none."""
+    torch.manual_seed(0)
+    reference = tiny_llama()
+    torch.manual_seed(0)
+    model = tiny_llama()
+    for each in (model, reference):
+        without_cache(each)
+    mesh = options.get("mesh", {})
+    dp = mesh.get("dp", world // mesh.get("pp", 1))
+    piper_fx.prepare(model, options)
+    opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
+    step = torch.compile(model, backend="piper", options=options)
+    loss_errors, logits_errors = [], []
+    for i in range(steps):
+        x, y = llama_batch(i, rows * dp)
+        replica = rank % dp
+        out = step(input_ids=x.chunk(dp)[replica], labels=y.chunk(dp)[replica])
+        expected = reference(input_ids=x, labels=y)
+        logits_errors.append(None if out.logits is None else
+                             (out.logits - expected.logits.detach().chunk(dp)[replica]).abs().max().item())
+        loss_errors.append(_step_both(out.loss, opt, expected.loss, ref_opt, world))
+    return {**_parity(model, reference, loss_errors), "logits_errors": logits_errors}
+
+
+def without_cache(model: nn.Module) -> None:
+    """Turn off the key and value cache of a Hugging Face model, each of whose modules with a
+    config reads its own (T5's decoder keeps a copy): Dynamo's graph would return the cache's
+    tensors before the loss."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
 
 
 def _step_both(loss: torch.Tensor, opt, ref_loss: torch.Tensor, ref_opt, world: int) -> float:

@@ -19,7 +19,11 @@ several pipeline ranks (tied across stages, or under DualPipe's two copies)
 ends the step with the same gradient on all of them: each rank that computed a
 part sends it to the others, which add it to theirs. Likewise each rank that
 computed part of the loss sends it to every other pipeline rank, so all
-return the whole loss.
+return the whole loss. A user's output beside the loss is handed back by the
+rank whose stage makes it, one per microbatch (None on the others, as
+torch.distributed.pipelining returns a stage's output on its rank alone); a
+stage that makes one and runs on two ranks (bidirectional DualPipe) is a
+`PiperError`.
 Between any two ranks, receives are posted in the order the peer sends (as
 NCCL, which ignores tags, needs); each transfer also has its own tag, so
 under gloo too a receive never matches the wrong message; and
@@ -38,6 +42,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
+from ..errors import PiperError
 from ..ir import (InputRole, Instruction, OutputRole, RankProgram, Recv, Run, Send, Task, TaskKind,
                   TrainingDAG, message_layout, wire_shape)
 from ..options import Strategy
@@ -53,6 +58,7 @@ Planned = tuple[Task, int | None]
 def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     flow = _value_flow(dag)
     transfers = _Transfers(dag, strategy, flow)
+    _check_outputs_on_one_rank(dag, flow, transfers)
     summed = _summed_over_ranks(dag, strategy, flow)
     tasks = {(t.stage, t.kind): t for t in dag.tasks}
     fused: dict[str, Task] = {}  # one fused task per pair of tasks, shared by every rank running it
@@ -83,7 +89,7 @@ class _ValueFlow:
     consumers: dict[str, list[Task]]
     per_step: set[str]     # one value per step, not per microbatch
     accumulated: set[str]  # summed over microbatches
-    loss: str              # the loss, or for inference the first output, which plays its part
+    loss: str | None       # the loss (in inference, a scalar first output), which every pipeline rank returns
 
 
 def _value_flow(dag: TrainingDAG) -> _ValueFlow:
@@ -99,9 +105,6 @@ def _value_flow(dag: TrainingDAG) -> _ValueFlow:
     accumulated |= {name for name in producer if producer[name].kind not in ONCE_PER_STEP
                     and any(c.kind is TaskKind.E for c in consumers.get(name, []))}
     loss = next((o.name for o in dag.outputs if o.role is OutputRole.LOSS), None)
-    if loss is None:  # inference: the first user output plays the loss's part for the broadcast
-        loss = next(o.name for o in dag.outputs if o.role is OutputRole.OUTPUT)
-        accumulated.add(loss)
     accumulated -= {name for name in accumulated if producer[name].kind in ONCE_PER_STEP}
     per_step = ({i.name for i in dag.inputs if i.name not in per_microbatch_inputs} | accumulated
                 | {name for name, t in producer.items() if t.kind in ONCE_PER_STEP})
@@ -239,12 +242,27 @@ def _lower_steps(steps: list[tuple[list[Planned], list[Planned], list[Planned]]]
     return instructions
 
 
+def _check_outputs_on_one_rank(dag: TrainingDAG, flow: _ValueFlow, transfers: "_Transfers") -> None:
+    """A user's output beside the loss is made by one pipeline rank, which returns it."""
+    for output in dag.outputs:
+        if output.role is OutputRole.OUTPUT and output.name in flow.producer:
+            stage = flow.producer[output.name].stage
+            ranks = transfers.ranks_running(stage)
+            if len(ranks) > 1:
+                raise PiperError(
+                    f"the model's output {output.index} ({output.made_at or output.name}) is made by stage "
+                    f"{stage}, which this schedule runs on pipeline ranks {ranks}, each for some microbatches: "
+                    "piper_fx returns an output beside the loss from the one rank that makes it. Return it "
+                    "under a schedule that runs each stage on one rank (dualpipev, say), or compile a module "
+                    "that returns the loss alone (for a Hugging Face model, one returning model(...).loss)")
+
+
 def _summed_over_ranks(dag: TrainingDAG, strategy: Strategy, flow: _ValueFlow) -> dict[str, list[int]]:
     """Values summed over pipeline ranks at the end of the step, with the ranks that
     end with the sum: the loss, and the gradients of parameters held by several ranks."""
     grad_param = {o.name: i.name for o in dag.outputs if o.role is OutputRole.GRAD
                   for i in dag.inputs if i.arg_index == o.index}
-    summed = {flow.loss: list(range(strategy.pp))} if strategy.pp > 1 else {}
+    summed = {flow.loss: list(range(strategy.pp))} if strategy.pp > 1 and flow.loss is not None else {}
     for grad, param in grad_param.items():
         holders = dag.parameter_holders.get(param, ())
         if len(holders) > 1 and grad in flow.producer:

@@ -162,7 +162,9 @@ class ProgramExecutor:
         self.device = device  # where the rank computes (the model's device)
         self.clock = clock_for(device)  # times the steps, one at a time, reusing its stamps
         self.comm_bytes = program.communication_bytes()  # fixed by the program: counted once
-        self.part_of: dict[str, str | None] = {name: "gradients" for name in program.accumulated | set(program.outputs)}
+        # The user's outputs beside the loss, one a microbatch, are activations the step hands back.
+        self.part_of: dict[str, str | None] = {name: "gradients" for name in program.accumulated
+                                               | (set(program.outputs) & program.per_step)}
         self.part_of.update(dict.fromkeys(program.inputs))
         # Each value dropped after its last reader: the schedule the program-level verifier checks.
         drop_after: list[list[Key]] = program.frees_after()
@@ -175,8 +177,8 @@ class ProgramExecutor:
             for index, instruction in enumerate(program.instructions) if isinstance(instruction, Run)}
         # A slot for each value the program reads, makes or hands back (`Values`); the
         # instructions' lists of keys become lists of slots.
-        self.output_keys: list[tuple[str, Key]] = [(name, (name, None)) for name in program.outputs]
-        keys = [key for _, key in self.output_keys]
+        output_keys = {name: program.output_keys(name) for name in program.outputs}
+        keys = [key for listed in output_keys.values() for key in listed]
         keys += [key for keys_read in reads for key in keys_read]
         keys += [key for stored in results.values() for key, _ in stored]
         moved = {index: program.key(i.value, i.microbatch) for index, i in enumerate(program.instructions)
@@ -185,6 +187,13 @@ class ProgramExecutor:
         self.keys: list[Key] = list(dict.fromkeys(keys))
         self.slot_of: dict[Key, int] = {key: slot for slot, key in enumerate(self.keys)}
         slots = self.slot_of
+        # Each output's slot: one a step, or for the user's outputs beside the loss, one a
+        # microbatch (concatenated along dim 0).
+        self.output_slots: list[tuple[str, int]] = [
+            (name, slots[listed[0]]) for name, listed in output_keys.items() if name in program.per_step]
+        self.microbatch_output_slots: list[tuple[str, list[int]]] = [
+            (name, [slots[key] for key in listed]) for name, listed in output_keys.items()
+            if name not in program.per_step]
         self.drop_after: list[list[int]] = [[slots[key] for key in listed] for listed in drop_after]
         self.reads: list[list[int]] = [[slots[key] for key in listed] for listed in reads]
         self.results: dict[int, list[tuple[int, bool]]] = {
@@ -342,8 +351,12 @@ class ProgramExecutor:
                 for send in pending_sends:
                     send.batch.wait(send.message)
         held = values.held
-        outputs = {name: held[slot_of[key]] for name, key in self.output_keys}
-        return {name: value for name, value in outputs.items() if value is not None}, memory
+        outputs = {name: held[slot] for name, slot in self.output_slots if held[slot] is not None}
+        for name, slots in self.microbatch_output_slots:  # a rank holds all of one's microbatches, or none
+            made = [held[slot] for slot in slots if held[slot] is not None]
+            if made:
+                outputs[name] = made[0] if len(made) == 1 else torch.cat(made)
+        return outputs, memory
 
     def _run_task(self, instruction: Run, values: Values, index: int) -> None:
         held = values.held

@@ -9,7 +9,12 @@ gradient scaled by the incoming seed (gradients are linear in it), so
 `(2 * loss).backward()` and accumulation over several calls behave as in
 PyTorch: a DTensor parameter's is added into its `.grad` by the step itself, as
 FSDP2 does, unless autograd must deliver it (`torch.autograd.grad`,
-`backward(inputs=...)`, gradient hooks; `_hand_over`). Inputs without a gradient
+`backward(inputs=...)`, gradient hooks; `_hand_over`). The model's other
+outputs come back as it made them, the rank's microbatches' concatenated along
+dim 0 (a pipeline's on the rank whose stage makes them); one the model made
+with a gradient (logits beside a Hugging Face model's loss, say) is returned
+attached, and a gradient flowing back into it is a `PiperError`: the step
+differentiates the loss alone. Inputs without a gradient
 on this rank (parameters of stages it does not hold, non-differentiable inputs)
 keep `grad is None`.
 
@@ -194,7 +199,10 @@ class CompiledStep:
         # The program's outputs by what the step does with them: the user's outputs (their
         # position) and the gradients (their argument's index). The buffers the forward
         # mutates are updated by the tasks themselves (`passes.update_buffers`).
-        self.user_outputs = [(o.name, o.index) for o in self.outputs if o.role in (OutputRole.LOSS, OutputRole.OUTPUT)]
+        self.user_outputs = [(o.name, o.index, o.role is OutputRole.LOSS) for o in self.outputs
+                             if o.role in (OutputRole.LOSS, OutputRole.OUTPUT)]
+        # The outputs beside the loss that the model made with a gradient: (index, where made).
+        self.attached = {o.index: o.made_at for o in self.outputs if o.role is OutputRole.OUTPUT and o.made_at}
         self.grad_outputs = [(o.name, o.index) for o in self.outputs if o.role is OutputRole.GRAD]
         # The DTensor spec each DTensor parameter or buffer was compiled with, by argument index:
         # checked on every call (Dynamo guards their plain program placeholders), by identity
@@ -298,11 +306,11 @@ class CompiledStep:
         if self.dump is not None and self.dump.enabled and self.steps_run <= TRACED_STEPS:
             self.dump.write("trace.json", json.dumps(self.last_run.trace()))
         user_outputs: list[torch.Tensor | None] = [None] * self.num_user_outputs
-        for name, index in self.user_outputs:
+        for name, index, loss in self.user_outputs:
             value = results.get(name)  # None where another pipeline rank makes it
             if value is not None:
-                # Summed over microbatches by the runtime: the replica's loss is their mean.
-                user_outputs[index] = value / self.microbatches if self.microbatches > 1 else value
+                # The loss is summed over microbatches by the runtime: the replica's loss is their mean.
+                user_outputs[index] = value / self.microbatches if loss and self.microbatches > 1 else value
         grads = {index: results[name] for name, index in self.grad_outputs if name in results}
         self.last_run.call_s = program_started - started + time.perf_counter() - program_ended
         return user_outputs, grads
@@ -338,12 +346,23 @@ class _StepFunction(torch.autograd.Function):
         ctx.grads = grads
         ctx.args = args
         ctx.run = step.last_run  # where the hand-over's time goes
-        # Only the loss (output 0) carries gradient; the others are plain values.
-        ctx.mark_non_differentiable(*user_outputs[1:])
+        ctx.attached = step.attached
+        # Only the loss (output 0) carries gradient; the others are plain values, but for those the
+        # model made with a gradient, attached so that one reached in the backward is refused.
+        ctx.mark_non_differentiable(*(value for index, value in enumerate(user_outputs)
+                                      if index and value is not None and index not in step.attached))
+        ctx.set_materialize_grads(False)  # an output's gradient is None unless one flows into it
         return tuple(user_outputs)
 
     @staticmethod
-    def backward(ctx, loss_seed: torch.Tensor, *unused):
+    def backward(ctx, loss_seed: torch.Tensor | None, *others: torch.Tensor | None):
+        reached = [index for index, grad in enumerate(others, 1) if grad is not None]
+        if reached:
+            index = reached[0]
+            raise PiperError(
+                f"a gradient reached the compiled model's output {index} ({ctx.attached.get(index, 'an output')}), "
+                "which piper_fx returns for reading: its step differentiates the loss (output 0) alone. "
+                "Compute that term inside the model and add it to the loss it returns")
         started = time.perf_counter()
         grads, ctx.grads = ctx.grads, None
         args, ctx.args = ctx.args, None
