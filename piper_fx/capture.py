@@ -327,9 +327,9 @@ def _not_one_scalar_loss(differentiable: int, shape: tuple | None, microbatches:
         f"the compiled graph returns {differentiable} differentiable outputs, the first of shape "
         f"{shape}; piper_fx runs whole training steps and needs the model to return its scalar "
         "loss first"
-        + (f" (the graph's output {scalar_at} is a scalar: Dynamo returns the tensors of an object the "
-           "forward made before the model's outputs, as a Hugging Face model's key and value cache; "
-           "keep none in training: use_cache=False)" if scalar_at else "")
+        + (f" (its output {scalar_at} is a scalar that requires grad: return the loss first. Dynamo "
+           "returns the tensors of an object the forward made before the model's outputs, as a Hugging "
+           "Face model's key and value cache: keep none in training, use_cache=False)" if scalar_at else "")
         + ". A graph break also splits the model "
         "into graphs that do not end in the loss: compile with fullgraph=True to find it"
         + (". Under a pipeline, piper_fx.prepare marks the batch size dynamic in a hook of the "

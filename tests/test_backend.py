@@ -282,6 +282,25 @@ def test_inference_returns_a_first_output_of_rows_as_one_call_on_the_whole_batch
         torch.testing.assert_close(logits, layer(x), rtol=1e-6, atol=1e-7)
 
 
+def test_a_loss_returned_after_another_output_is_refused_saying_to_return_it_first():
+    """The model's logits first, or Hugging Face's key and value cache, whose tensors Dynamo
+    returns before the model's outputs: the error says which output is the scalar."""
+    class LogitsFirst(ReturnsLogits):
+        def forward(self, x, y):
+            loss, logits, _ = super().forward(x, y)
+            return logits, loss
+
+    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
+    with pytest.raises(PiperError, match="its output 1 is a scalar that requires grad: return the loss first"):
+        torch.compile(LogitsFirst(), backend="piper", options=EAGER)(x, y)
+    from training import llama_batch, tiny_llama
+
+    torch._dynamo.reset()
+    x, y = llama_batch(0, 2)
+    with pytest.raises(PiperError, match=r"its output \d+ is a scalar .*use_cache=False"):
+        torch.compile(tiny_llama(), backend="piper", options=EAGER)(input_ids=x, labels=y)
+
+
 def test_an_output_without_the_microbatchs_rows_is_refused_naming_where_it_is_made():
     """With microbatches the step returns an output beside the loss as the microbatches'
     concatenated: one of no rows (a count over the batch) has no such whole, and is refused."""
