@@ -9,6 +9,7 @@ program and compiled task by task, and the call runs the first training step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import warnings
 import weakref
@@ -224,13 +225,14 @@ class DeferredStep:
     runs a frame compiled for one instance of a module class for another of the same class
     (it guards the parameters' types and shapes, not which they are), so the step checks its
     call's first parameter (`anchor`, the argument's index) and compiles a step of its own for
-    a model it has not seen, as for a shape; each model's steps live as long as the model.
+    a model it has not seen, as for a shape; each model's steps live as long as the model (the
+    steps of the model called last too: `_forget` lets go of them when it dies).
 
     Slotted: Dynamo wraps the step in a function that copies the step's `__dict__` into its
     own (`functools.wraps`), which would keep the build for the life of the compiled frame
     by another reference. The builder keeps Dynamo's graph for the shapes and models to come."""
 
-    __slots__ = ("_build", "_sized", "_anchor", "_models", "_model", "_steps", "step")
+    __slots__ = ("_build", "_sized", "_anchor", "_models", "_model", "_steps", "step", "__weakref__")
 
     def __init__(self, build: Callable[[tuple, tuple], CompiledStep], sized: tuple[int, ...],
                  anchor: int | None = None):
@@ -242,10 +244,18 @@ class DeferredStep:
         self._steps: dict[tuple, CompiledStep] = {}  # by the sizes of the call they were compiled for (() without)
         self.step: CompiledStep | None = None
 
+    @staticmethod
+    def _forget(deferred: "weakref.ref[DeferredStep]", model: weakref.ref) -> None:
+        """Let go of the steps of the model called last once it has died (the frame, and this,
+        live on for the models to come)."""
+        self = deferred()
+        if self is not None and self._model is model:
+            self._model, self._steps, self.step = None, {}, None
+
     def __call__(self, *args):
         if self._anchor is not None and (self._model is None or self._model() is not args[self._anchor]):
             self._steps = self._models.setdefault(args[self._anchor], {})
-            self._model = weakref.ref(args[self._anchor])
+            self._model = weakref.ref(args[self._anchor], functools.partial(DeferredStep._forget, weakref.ref(self)))
             self.step = self._steps.get(()) if not self._sized else None
         if not self._sized:
             if self.step is None:

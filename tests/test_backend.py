@@ -91,6 +91,29 @@ def test_the_step_is_compiled_on_its_first_call_after_dynamo_has_timed_its_guard
     torch._dynamo.reset()
 
 
+def test_a_dead_models_step_is_let_go_of_with_it():
+    """Dynamo keeps the compiled frame, and with it the step's `DeferredStep`, for models to
+    come; the steps of the model called last lived on with it after the model had died."""
+    import gc
+
+    returned = []
+
+    def backend(gm, example_inputs):
+        returned.append(piper_fx.piper_backend(gm, example_inputs, EAGER))
+        return returned[-1]
+
+    torch._dynamo.reset()
+    model = _model()
+    compiled = torch.compile(model, backend=backend)
+    x, y = global_batch(0, 2, model.cfg)
+    compiled(x, y).backward()
+    step = weakref.ref(returned[0].step)
+    del model, compiled
+    gc.collect()
+    assert step() is None and returned[0].step is None
+    torch._dynamo.reset()
+
+
 def test_the_step_tells_the_models_buffers_from_its_batch_arguments():
     """By Dynamo's sources of the compiled arguments, which Dynamo deletes once it has compiled the
     frame, before the step's first call plans the step: the backend keeps them."""
