@@ -105,8 +105,77 @@ class TableFirst(nn.Module):
         return F.mse_loss(self.head(h), y)
 
 
+class WeightNormed(nn.Module):
+    """Layers under `torch.nn.utils.parametrizations.weight_norm` (a direction and a magnitude a
+    layer, as wav2vec 2.0's positional convolution has), whose backward op
+    (`_weight_norm_interface_backward`) DTensor has no rule for."""
+
+    def __init__(self, depth: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.utils.parametrizations.weight_norm(nn.Linear(WIDTH, WIDTH))
+                                    for _ in range(depth))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(self.head(x), y)
+
+
+class TorchEncoder(nn.Module):
+    """PyTorch's own `nn.TransformerEncoderLayer` over each row read as 2 tokens of 4 features: its
+    `nn.MultiheadAttention` works time-major, folding the tokens and the batch's rows into one
+    dimension for its projections, and unfolds them again (DTensor's strided shard)."""
+
+    def __init__(self, depth: int = 2):
+        super().__init__()
+        self.embed = nn.Linear(WIDTH // 2, WIDTH)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True)
+                                    for _ in range(depth))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        h = self.embed(x.view(x.shape[0], 2, WIDTH // 2))
+        for layer in self.layers:
+            h = layer(h)
+        return F.mse_loss(self.head(h.mean(1)), y)
+
+
+class Recurrent(nn.Module):
+    """An `nn.GRU` over each row read as 4 steps of 2 features (Dynamo traces it only with
+    `torch._dynamo.config.allow_rnn`): its decomposition projects every step's input at once,
+    time-major, folding the steps and the rows into one dimension, then unbinds the steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(2, WIDTH, batch_first=True)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        h, _ = self.gru(x.view(x.shape[0], 4, 2))
+        return F.mse_loss(self.head(h[:, -1]), y)
+
+
+class Bagged(nn.Module):
+    """An `nn.EmbeddingBag` of each row's quantized features: DTensor has no rule for it, nor
+    piper_fx, so it plans with one replica (a pipeline alone) only."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(64, WIDTH, mode="mean")
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        h = self.bag((x.abs() * 100).long() % 64)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return F.mse_loss(self.head(h), y)
+
+
 MODELS = {"skip": SkipAcrossStages, "two_streams": TwoStreams, "cross": CrossStageMLP, "buffers": ScaledByBuffers,
-          "table_first": TableFirst}
+          "table_first": TableFirst, "weight_normed": WeightNormed, "torch_encoder": TorchEncoder,
+          "recurrent": Recurrent, "bagged": Bagged}
 
 
 def batch(step: int, rows: int):

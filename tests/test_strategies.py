@@ -13,11 +13,12 @@ example GPT with tied embeddings, and its MoE version. CI runs a fixed-seed prof
 shrinking of a failing case).
 """
 import os
+import re
 
 from hypothesis import HealthCheck, Phase, given, settings
 
 from strategy_space import Case, cases, check_outcomes, train_case
-from training import batch_norm_worker, frozen_worker
+from training import batch_norm_worker, frozen_worker, pipeline_worker, recurrent_worker
 
 EXAMPLES = int(os.environ.get("PIPER_STRATEGY_EXAMPLES", "0"))
 PROFILE = settings(
@@ -65,6 +66,33 @@ def test_parameters_frozen_before_prepare_stay_as_they_are_while_the_rest_train(
             assert result["frozen"] == ["blocks.1.ln_1.weight", "wte.weight"], result["frozen"]
             assert not set(result["frozen"]) & set(result["params_with_state"]), (options, rank)
             assert max(result["loss_errors"]) < 1e-5 and max(result["param_errors"].values()) < 1e-5, (options, rank)
+
+
+def test_pytorchs_own_layers_train_like_one_process(rank_pools):
+    """Found probing models unlike ours; each stopped planning, naming an op:
+    - `nn.TransformerEncoderLayer` and `nn.GRU` fold the batch's rows inside the tokens (or
+      steps) for a matmul, a strided shard, and unfold them again: DTensor's view rule, given
+      the batch's rows where they had been, misplaced the unfolded value. The rows are now
+      looked for after the strided shard's leading elements first (`_global_attempts`).
+    - Weight norm's backward had no rule (`op_rules._weight_norm_backward`).
+    - With one replica (a pipeline alone, dp = 1) every placement holds a value whole, so an op
+      no rule places (`nn.EmbeddingBag`'s) is `Replicate()`; over 2 replicas it is refused,
+      naming the op, not guessed.
+    Each trains at ZeRO-0 and ZeRO-3 and under 1F1B."""
+    one_f_one_b = {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+    strategies = [{"zero": 0}, {"zero": 3}, one_f_one_b]
+    configs = [{"options": options, "model": model, "per_rank_batch": 4}
+               for model in ("torch_encoder", "weight_normed") for options in strategies]
+    configs.append({"options": one_f_one_b, "model": "bagged", "per_rank_batch": 4})
+    recurrent = [{"options": options, "model": "recurrent", "per_rank_batch": 4} for options in strategies]
+    for worker, cases in ((pipeline_worker, configs), (recurrent_worker, recurrent)):
+        for rank, outcome in enumerate(rank_pools(2).run(worker, cases)):
+            assert "error" not in outcome, (rank, outcome.get("error"))
+            for config, result in zip(cases, outcome["value"]):
+                assert max(result["loss_errors"]) < 1e-5 and max(result["param_errors"].values()) < 1e-5, \
+                    (config, rank, result["loss_errors"], result["param_errors"])
+    for outcome in rank_pools(2).run(pipeline_worker, [{"options": {"zero": 0}, "model": "bagged"}]):
+        assert re.search("PiperError: piper_fx cannot place node _embedding_bag", outcome.get("error", "")), outcome
 
 
 def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):

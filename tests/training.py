@@ -333,6 +333,13 @@ def pipeline_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
     return results
 
 
+def recurrent_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
+    """`pipeline_worker` with Dynamo tracing recurrent layers (`nn.GRU`, `nn.LSTM`), which it
+    does only with `torch._dynamo.config.allow_rnn`."""
+    with torch._dynamo.config.patch(allow_rnn=True):
+        return pipeline_worker(rank, world, configs)
+
+
 def second_model_worker(rank: int, world: int, options: dict) -> list[dict]:
     """`train_and_compare` of two GPTs of the same class, one after the other in one process
     (no `torch._dynamo.reset()` between: Dynamo runs the frame it compiled for the first)."""

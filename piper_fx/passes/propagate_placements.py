@@ -9,8 +9,10 @@ gradients `Partial` until a collective reduces them, every other value as
 piper_fx's own rules or DTensor's sharding propagator place it (with
 `meta["piper_spec_reads"]` where DTensor's rule read an input otherwise placed
 than it is). A node that none of them places is a `PiperError` naming the
-node, its op and its inputs' placements: no placement is guessed. Purely
-descriptive: no node is changed. Shown in the placement table dump.
+node, its op and its inputs' placements: no placement is guessed. With one
+replica (a pipeline alone, dp = 1) such a node is `Replicate()`: every
+placement of a value holds it whole on the one rank. Purely descriptive: no
+node is changed. Shown in the placement table dump.
 """
 from __future__ import annotations
 
@@ -46,5 +48,5 @@ def propagate_placements(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     # At least two ranks: on one, DTensor's rules take a sharded dimension of one row (a
     # microbatch of one sample) for none; the placements are those over any number of replicas.
     mesh = planning_mesh(max(strategy.dp, 2), _device_type(dag))
-    propagate(dag.joint.graph, seeds, mesh, random_values)
+    propagate(dag.joint.graph, seeds, mesh, random_values, one_replica=strategy.dp == 1)
     return dag

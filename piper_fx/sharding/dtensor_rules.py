@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -215,14 +216,20 @@ def _fits(output_spec: Any, val: Any, ranks: int) -> bool:
 def _global_attempts(node: fx.Node, ranks: int) -> list[list[int] | None]:
     """The global shapes of `node`'s result to give DTensor as its op's shape argument, most
     likely first (None for an op with none): the one whose sharded dimension is that of its
-    first sharded input (a view keeps the batch where it was), then any other, then none."""
+    first sharded input (a view keeps the batch where it was), or where that input is a
+    strided shard (the batch's rows folded inside `split_factor` leading elements, as a
+    time-major (T, B, E) tensor viewed as (T * B, E) for a matmul has them), the dimensions
+    after that many leading elements first (the view that unfolds them again); then any
+    other, then none."""
     val = node.meta.get("val")
     if _shape_argument(node) is None or not isinstance(val, torch.Tensor):
         return [None]
-    first = next((d for a in tensor_inputs(node) if (d := _sharded_dim(a.meta.get(SPEC_KEY))) is not None), None)
-    if first is None:
+    placement = next((p for a in tensor_inputs(node) if _sharded_dim(p := a.meta.get(SPEC_KEY)) is not None), None)
+    if placement is None:
         return [list(val.shape)]
-    dims = sorted(range(val.dim()), key=lambda e: e != first)
+    first, split = _sharded_dim(placement), getattr(placement, "split_factor", None)
+    unfolded = [e for e in range(val.dim()) if split is not None and math.prod(val.shape[:e]) == split]
+    dims = sorted(range(val.dim()), key=lambda e: (e not in unfolded, e != first))
     return [[n * ranks if d == e else n for d, n in enumerate(val.shape)] for e in dims] + [list(val.shape)]
 
 

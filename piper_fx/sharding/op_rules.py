@@ -135,6 +135,19 @@ def _row_statistics(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> A
     return alike(node.meta.get("val"), Shard(0)), []
 
 
+def _weight_norm_backward(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """The gradients of weight norm's direction and magnitude (`torch.nn.utils.parametrizations.
+    weight_norm`: w = g * v / ||v||) from the weight's: linear in it, the parameters and norms
+    fixed. So a weight gradient that sums the ranks' parts (`Partial`, the batch's rows
+    spread over them) gives both gradients as such parts, the rest `Replicate()` (whole, as
+    ZeRO gathers a parameter before its use)."""
+    (grad, placement), *rest = inputs
+    if not isinstance(placement, Partial) or grad is not node.args[0] or \
+            not all(isinstance(s, Replicate) for _, s in rest):
+        raise NoRule("it is linear in the weight's gradient alone: a Partial weight gradient, the rest Replicate()")
+    return alike(node.meta.get("val"), placement), []
+
+
 def _convert_element_type(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     """A dtype conversion (as Inductor's decompositions write `.to(dtype)`): element by
     element, so a `Shard` stays; a partial value is read whole (`Replicate()`), since
@@ -358,6 +371,7 @@ RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any,
                      aten.adaptive_max_pool2d_backward.default, aten.adaptive_max_pool3d_backward.default),
                     _batch_rows),
     aten.var_mean.correction: _row_statistics,
+    aten._weight_norm_interface_backward.default: _weight_norm_backward,
     torch.ops.prims.convert_element_type.default: _convert_element_type,
     # The embedding backward as Inductor decomposes it: a scatter-add into zeros.
     aten._unsafe_masked_index_put_accumulate.default: _masked_index_put_accumulate,

@@ -234,10 +234,12 @@ def infer_spec(mesh: DeviceMesh, node: fx.Node, random_values: Callable[[fx.Node
 
 
 def propagate(graph: fx.Graph, seeds: dict[str, Placement], mesh: DeviceMesh,
-              random_values: Callable[[fx.Node], Any] | None = None) -> None:
+              random_values: Callable[[fx.Node], Any] | None = None, one_replica: bool = False) -> None:
     """Set `meta["piper_spec"]` on every placeholder (from `seeds`), constant and call
     (module docstring), and `meta["piper_spec_reads"]` where DTensor's rule read an input
-    otherwise placed. Raises `PiperError` for a node whose placement cannot be decided."""
+    otherwise placed. Raises `PiperError` for a node whose placement cannot be decided, but
+    with `one_replica` (a pipeline alone): there every placement holds a value whole, on the
+    one rank, and a node no rule places is `Replicate()`."""
     for node in graph.nodes:
         node.meta.pop(READS_KEY, None)
         if node.op == "placeholder":
@@ -245,7 +247,12 @@ def propagate(graph: fx.Graph, seeds: dict[str, Placement], mesh: DeviceMesh,
         elif node.op == "get_attr":  # a constant of the graph: the same on every rank
             node.meta[SPEC_KEY] = alike(node.meta.get("val"), Replicate())
         elif node.op == "call_function":
-            node.meta[SPEC_KEY], reads = infer_spec(mesh, node, random_values)
+            try:
+                node.meta[SPEC_KEY], reads = infer_spec(mesh, node, random_values)
+            except PiperError:
+                if not one_replica:
+                    raise
+                node.meta[SPEC_KEY], reads = alike(node.meta.get("val"), Replicate()), []
             if reads:
                 node.meta[READS_KEY] = tuple((a.name, p) for a, p in reads)
 
