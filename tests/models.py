@@ -157,8 +157,7 @@ class Recurrent(nn.Module):
 
 
 class Bagged(nn.Module):
-    """An `nn.EmbeddingBag` of each row's quantized features: DTensor has no rule for it, nor
-    piper_fx, so it plans with one replica (a pipeline alone) only."""
+    """An `nn.EmbeddingBag` of each row's quantized features (DTensor has no rule for it)."""
 
     def __init__(self):
         super().__init__()
@@ -173,9 +172,33 @@ class Bagged(nn.Module):
         return F.mse_loss(self.head(h), y)
 
 
+@torch.library.custom_op("piper_tests::doubled", mutates_args=())
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    """A custom op with no placement rule anywhere."""
+    return x * 2
+
+
+doubled.register_fake(lambda x: torch.empty_like(x))
+doubled.register_autograd(lambda ctx, grad: doubled(grad))
+
+
+class CustomOp(nn.Module):
+    """Layers with `doubled` between them: planned over one replica (a pipeline alone) only."""
+
+    def __init__(self, depth: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(depth))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(doubled(layer(x)))
+        return F.mse_loss(self.head(x), y)
+
+
 MODELS = {"skip": SkipAcrossStages, "two_streams": TwoStreams, "cross": CrossStageMLP, "buffers": ScaledByBuffers,
           "table_first": TableFirst, "weight_normed": WeightNormed, "torch_encoder": TorchEncoder,
-          "recurrent": Recurrent, "bagged": Bagged}
+          "recurrent": Recurrent, "bagged": Bagged, "custom_op": CustomOp}
 
 
 def batch(step: int, rows: int):

@@ -74,16 +74,16 @@ def test_pytorchs_own_layers_train_like_one_process(rank_pools):
       steps) for a matmul, a strided shard, and unfold them again: DTensor's view rule, given
       the batch's rows where they had been, misplaced the unfolded value. The rows are now
       looked for after the strided shard's leading elements first (`_global_attempts`).
-    - Weight norm's backward had no rule (`op_rules._weight_norm_backward`).
-    - With one replica (a pipeline alone, dp = 1) every placement holds a value whole, so an op
-      no rule places (`nn.EmbeddingBag`'s) is `Replicate()`; over 2 replicas it is refused,
-      naming the op, not guessed.
+    - Weight norm's backward and `nn.EmbeddingBag` had no rule (`op_rules`).
+    - Every op planned as over 2 replicas, for a pipeline alone (dp = 1) too. There every
+      placement holds a value whole, so an op no rule places (a custom op of the model's) is
+      `Replicate()`; over 2 replicas it is refused, naming the op, not guessed.
     Each trains at ZeRO-0 and ZeRO-3 and under 1F1B."""
     one_f_one_b = {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
     strategies = [{"zero": 0}, {"zero": 3}, one_f_one_b]
     configs = [{"options": options, "model": model, "per_rank_batch": 4}
-               for model in ("torch_encoder", "weight_normed") for options in strategies]
-    configs.append({"options": one_f_one_b, "model": "bagged", "per_rank_batch": 4})
+               for model in ("torch_encoder", "weight_normed", "bagged") for options in strategies]
+    configs.append({"options": one_f_one_b, "model": "custom_op", "per_rank_batch": 4})
     recurrent = [{"options": options, "model": "recurrent", "per_rank_batch": 4} for options in strategies]
     for worker, cases in ((pipeline_worker, configs), (recurrent_worker, recurrent)):
         for rank, outcome in enumerate(rank_pools(2).run(worker, cases)):
@@ -91,8 +91,9 @@ def test_pytorchs_own_layers_train_like_one_process(rank_pools):
             for config, result in zip(cases, outcome["value"]):
                 assert max(result["loss_errors"]) < 1e-5 and max(result["param_errors"].values()) < 1e-5, \
                     (config, rank, result["loss_errors"], result["param_errors"])
-    for outcome in rank_pools(2).run(pipeline_worker, [{"options": {"zero": 0}, "model": "bagged"}]):
-        assert re.search("PiperError: piper_fx cannot place node _embedding_bag", outcome.get("error", "")), outcome
+    for outcome in rank_pools(2).run(pipeline_worker, [{"options": {"zero": 0}, "model": "custom_op"}]):
+        assert re.search(r"PiperError: piper_fx cannot place node doubled = piper_tests.doubled.default",
+                         outcome.get("error", "")), outcome
 
 
 def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):

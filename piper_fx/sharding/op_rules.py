@@ -148,6 +148,44 @@ def _weight_norm_backward(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]
     return alike(node.meta.get("val"), placement), []
 
 
+def _bags_of_this_ranks_rows(node: fx.Node, inputs: list[tuple[fx.Node, Placement]], bags: int,
+                              whole: fx.Node) -> list[tuple[fx.Node, Placement]]:
+    """Check an embedding bag's inputs hold this rank's rows, `bags` of them: the table `whole`
+    `Replicate()` (ZeRO gathers it before its use), the indices and every per-index or per-bag
+    value `Shard(0)`; the offsets (the bags' starts, which `F.embedding_bag` of a 2-d batch
+    makes with `arange` for this rank's rows) `Shard(0)` or made alike for them, and read as
+    this rank's rows. The inputs read otherwise placed (`READS_KEY`)."""
+    reads = []
+    for a, s in inputs:
+        if a is whole:
+            if not isinstance(s, Replicate):
+                raise NoRule(f"it reads its table {a.name} whole, not {format_spec(s)}")
+        elif isinstance(s, Replicate) and _rows_made_alike(a, s, bags):
+            reads.append((a, Shard(0)))
+        elif s != Shard(0):
+            raise NoRule(f"each bag is one of the batch's rows, so it needs {a.name} Shard(0), not {format_spec(s)}")
+    return reads
+
+
+def _embedding_bag(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """`nn.EmbeddingBag`: each bag (a row of the batch) reduces the table's rows its indices
+    name; with the indices and offsets this rank's rows', so are its results (per bag, and
+    per index: `offset2bag`)."""
+    bags = node.meta["val"][0].shape[0]
+    return tuple(Shard(0) for _ in node.meta["val"]), _bags_of_this_ranks_rows(node, inputs, bags, node.args[0])
+
+
+def _embedding_bag_backward(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """The table's gradient of `_embedding_bag`: each rank adds its bags' gradients into the
+    rows its indices name, a part of the sum over the batch (`Partial`). Not with
+    `scale_grad_by_freq`, whose scale counts the indices of the whole batch."""
+    grad = node.args[0]
+    if node.args[7]:
+        raise NoRule("scale_grad_by_freq scales by how often the whole batch names each row")
+    reads = _bags_of_this_ranks_rows(node, inputs, grad.meta["val"].shape[0], None)
+    return Partial("sum"), reads
+
+
 def _convert_element_type(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     """A dtype conversion (as Inductor's decompositions write `.to(dtype)`): element by
     element, so a `Shard` stays; a partial value is read whole (`Replicate()`), since
@@ -372,6 +410,8 @@ RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any,
                     _batch_rows),
     aten.var_mean.correction: _row_statistics,
     aten._weight_norm_interface_backward.default: _weight_norm_backward,
+    aten._embedding_bag.default: _embedding_bag,
+    aten._embedding_bag_backward.default: _embedding_bag_backward,
     torch.ops.prims.convert_element_type.default: _convert_element_type,
     # The embedding backward as Inductor decomposes it: a scatter-add into zeros.
     aten._unsafe_masked_index_put_accumulate.default: _masked_index_put_accumulate,
