@@ -152,11 +152,12 @@ def test_memory_counted_until_two_runs_agree_is_what_counting_every_run_reports(
     from training import SMALL, global_batch
 
     options = {"codegen": "eager", "pipeline": {"microbatches": 2}}
-    steps, stats = {}, {"profiled": [], "counted": []}
+    steps, stats, models = {}, {"profiled": [], "counted": []}, []
     for name in stats:
         torch._dynamo.reset()  # compiled by `backend` here, not by a frame an earlier test cached
         torch.manual_seed(0)
         model = piper_fx.prepare(GPT(GPTConfig(**SMALL)), options)
+        models.append(model)  # alive to the end: a dead model's step is let go of
 
         def backend(gm, example_inputs, name=name):
             steps[name] = piper_fx.piper_backend(gm, example_inputs, options)
