@@ -172,6 +172,25 @@ class Bagged(nn.Module):
         return F.mse_loss(self.head(h), y)
 
 
+class BilinearImage(nn.Module):
+    """`nn.Bilinear` (`aten._trilinear`) of each row with itself, then the row as a 2x4 image, its
+    channels shuffled into pixels and interpolated bilinearly (Inductor's decomposition indexes
+    the height and width, `_unsafe_index`, and adds its gradient into them): ops DTensor has
+    no rules for."""
+
+    def __init__(self):
+        super().__init__()
+        self.bilinear = nn.Bilinear(WIDTH, WIDTH, WIDTH)
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.head = nn.Linear(WIDTH + 32, 1)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.bilinear(x, x))
+        image = F.pixel_shuffle(self.conv(h.view(-1, 1, 2, WIDTH // 2)), 2)  # 4 x 8
+        image = F.interpolate(image, size=(4, 8), mode="bilinear", align_corners=False)
+        return F.mse_loss(self.head(torch.cat([h, image.flatten(1)], 1)), y)
+
+
 @torch.library.custom_op("piper_tests::doubled", mutates_args=())
 def doubled(x: torch.Tensor) -> torch.Tensor:
     """A custom op with no placement rule anywhere."""
@@ -198,7 +217,7 @@ class CustomOp(nn.Module):
 
 MODELS = {"skip": SkipAcrossStages, "two_streams": TwoStreams, "cross": CrossStageMLP, "buffers": ScaledByBuffers,
           "table_first": TableFirst, "weight_normed": WeightNormed, "torch_encoder": TorchEncoder,
-          "recurrent": Recurrent, "bagged": Bagged, "custom_op": CustomOp}
+          "recurrent": Recurrent, "bagged": Bagged, "bilinear_image": BilinearImage, "custom_op": CustomOp}
 
 
 def batch(step: int, rows: int):

@@ -74,7 +74,8 @@ def test_pytorchs_own_layers_train_like_one_process(rank_pools):
       steps) for a matmul, a strided shard, and unfold them again: DTensor's view rule, given
       the batch's rows where they had been, misplaced the unfolded value. The rows are now
       looked for after the strided shard's leading elements first (`_global_attempts`).
-    - Weight norm's backward and `nn.EmbeddingBag` had no rule (`op_rules`).
+    - Weight norm's backward, `nn.EmbeddingBag`, `nn.Bilinear` and a bilinear interpolation's
+      indexing had no rule (`op_rules`).
     - Every op planned as over 2 replicas, for a pipeline alone (dp = 1) too. There every
       placement holds a value whole, so an op no rule places (a custom op of the model's) is
       `Replicate()`; over 2 replicas it is refused, naming the op, not guessed.
@@ -82,7 +83,7 @@ def test_pytorchs_own_layers_train_like_one_process(rank_pools):
     one_f_one_b = {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
     strategies = [{"zero": 0}, {"zero": 3}, one_f_one_b]
     configs = [{"options": options, "model": model, "per_rank_batch": 4}
-               for model in ("torch_encoder", "weight_normed", "bagged") for options in strategies]
+               for model in ("torch_encoder", "weight_normed", "bagged", "bilinear_image") for options in strategies]
     configs.append({"options": one_f_one_b, "model": "custom_op", "per_rank_batch": 4})
     recurrent = [{"options": options, "model": "recurrent", "per_rank_batch": 4} for options in strategies]
     for worker, cases in ((pipeline_worker, configs), (recurrent_worker, recurrent)):

@@ -186,6 +186,26 @@ def _embedding_bag_backward(node: fx.Node, inputs: list[tuple[fx.Node, Placement
     return Partial("sum"), reads
 
 
+def _trilinear(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """`nn.Bilinear`'s product (and its gradients'): three tensors unsqueezed (`expand`) to one
+    frame, multiplied, and summed over `sumdim`. With the frame's dim 0 the batch's (every input
+    not broadcast along it `Shard(0)`, the others, a weight, `Replicate()`), the result keeps
+    the rows (`Shard(0)`), or where it sums over them (a weight's gradient) is each rank's
+    part of that sum (`Partial`)."""
+    tensors, expands, sumdim = node.args[:3], node.args[3:6], node.args[6]
+    placements = dict(inputs)
+    rows = False
+    for tensor, expand in zip(tensors, expands):
+        placement = placements.get(tensor, Replicate())
+        if 0 in expand and not isinstance(placement, Replicate) or 0 not in expand and placement != Shard(0):
+            raise NoRule(f"it multiplies its inputs along the batch's rows (dim 0), so {tensor.name} must be "
+                         f"{'Replicate()' if 0 in expand else 'Shard(0)'}, not {format_spec(placement)}")
+        rows = rows or 0 not in expand
+    if not rows:
+        raise NoRule("no input has the batch's rows")
+    return (Partial("sum") if 0 in sumdim else Shard(0)), []
+
+
 def _convert_element_type(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     """A dtype conversion (as Inductor's decompositions write `.to(dtype)`): element by
     element, so a `Shard` stays; a partial value is read whole (`Replicate()`), since
@@ -206,7 +226,20 @@ def _index_put(node: fx.Node, inputs) -> Any:
     destination, indices, values = node.args[:3]
     if not (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)):
         raise NoRule("it writes rows in place without summing them")
+    # Each row's values summed into that row (an interpolation's gradient): the rows stay.
+    if _rows_untouched(indices) and values.meta.get(SPEC_KEY) == Shard(0) and (
+            fill_value(destination) == 0 or destination.meta.get(SPEC_KEY) == Shard(0)):
+        return Shard(0), []
     return _scatter_add(destination, [i for i in indices if isinstance(i, fx.Node)], values)
+
+
+def _rows_untouched(indices: list) -> bool:
+    """Whether advanced indices leave dim 0, the batch's rows, where it is: no index for it, every
+    index `Replicate()`, and the indexed dimensions adjacent (else the indexed dimensions come
+    first in the result, as in NumPy), as an interpolation indexes an image's height and width."""
+    positions = [d for d, index in enumerate(indices) if index is not None]
+    return bool(positions) and positions[0] > 0 and positions == list(range(positions[0], positions[-1] + 1)) \
+        and all(isinstance(indices[d].meta.get(SPEC_KEY), Replicate) for d in positions)
 
 
 def _copy(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
@@ -344,9 +377,12 @@ def _index_rows(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     indices are replicated and do not vary along the rows: each row of the result is that
     row of `x`, indexed on the other dimensions alike, so the result is `Shard(0)` (as
     Hugging Face's masks read each row's attention mask, `mask[batch_rows, kv_positions]`).
-    DTensor's rule reads a sharded indexed dimension as replicated."""
+    DTensor's rule reads a sharded indexed dimension as replicated. Likewise with no index
+    for dim 0 (`_rows_untouched`: an interpolation's, `x[:, :, rows_h, cols_w]`)."""
     source, indices = node.args[:2]
     rows = source.meta["val"].shape[0]
+    if source.meta.get(SPEC_KEY) == Shard(0) and _rows_untouched(indices):
+        return Shard(0), []  # each row indexed alike on other dimensions (an interpolation's)
     if not (source.meta.get(SPEC_KEY) == Shard(0) and indices and isinstance(indices[0], fx.Node)
             and _row_numbers(indices[0], rows)):
         raise NoRule("it indexes dim 0 of a Shard(0) tensor by its row numbers only")
@@ -412,6 +448,7 @@ RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any,
     aten._weight_norm_interface_backward.default: _weight_norm_backward,
     aten._embedding_bag.default: _embedding_bag,
     aten._embedding_bag_backward.default: _embedding_bag_backward,
+    aten._trilinear.default: _trilinear,
     torch.ops.prims.convert_element_type.default: _convert_element_type,
     # The embedding backward as Inductor decomposes it: a scatter-add into zeros.
     aten._unsafe_masked_index_put_accumulate.default: _masked_index_put_accumulate,
@@ -426,6 +463,7 @@ RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any,
     aten.copy.default: _copy,
     aten.fill.Tensor: _copy,
     aten.index.Tensor: _index_rows,
+    aten._unsafe_index.Tensor: _index_rows,
     aten.squeeze.dim: _squeeze_one_row,
     aten.squeeze.dims: _squeeze_one_row,
     aten.squeeze.default: _squeeze_one_row,
