@@ -358,23 +358,23 @@ def _returned(gm: fx.GraphModule) -> list:
     return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
 
-def _detach_outputs_beside_the_loss(gm: fx.GraphModule) -> dict[int, str]:
+def _detach_outputs_beside_the_loss(gm: fx.GraphModule) -> list[int]:
     """Return every output but the loss (output 0) of Dynamo's graph `gm` detached, so that the
-    step differentiates the loss alone; for each output that required grad, where the model made
-    it (its index -> `_made_where`), which the step returns attached (`runtime.step`)."""
+    step differentiates the loss alone; the indices of those that required grad, which the step
+    returns attached (`runtime.step`)."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    returned, made = _returned(gm), {}
+    returned, detached = _returned(gm), []
     for index, node in enumerate(returned[1:], 1):
         example = node.meta.get("example_value") if isinstance(node, fx.Node) else None
         if isinstance(example, torch.Tensor) and example.requires_grad:
-            made[index] = _made_where(node)
+            detached.append(index)
             with gm.graph.inserting_before(output):
                 returned[index] = gm.graph.call_method("detach", (node,))
             returned[index].meta["example_value"] = example
-    if made:
+    if detached:
         output.args = (type(output.args[0])(returned) if isinstance(output.args[0], (tuple, list)) else returned[0],)
         gm.recompile()
-    return made
+    return detached
 
 
 def _check_outputs_split_by_rows(joint: fx.GraphModule, inputs: list[GraphInput], outputs: list[GraphOutput],
@@ -436,7 +436,8 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
         _check_first_output_is_a_scalar(gm, strategy.microbatches)
     gm, traced_inputs, arg_indices = _specialize_to_microbatch(gm, example_inputs, strategy.microbatches)
     made = {index: _made_where(node) for index, node in enumerate(_returned(gm)) if isinstance(node, fx.Node)}
-    attached = _detach_outputs_beside_the_loss(gm) if torch.is_grad_enabled() else {}
+    attached = {index: made[index] for index in _detach_outputs_beside_the_loss(gm)} if torch.is_grad_enabled() \
+        else {}
     dynamo_placeholders = [dynamo_placeholders[i] for i in arg_indices]
     _trace_mixed_precision(gm, traced_inputs, strategy.mixed_precision)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in traced_inputs)
