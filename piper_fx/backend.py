@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import plan_cache
 from .arguments import batch_key, check_batches_agree, check_one_device
 from .compiled_holdings import pipeline_readers, record_compiled_holdings, release_other_stages
-from .capture import batch_shapes, capture, keep_input_sources, symbolic_inputs
+from .capture import batch_shapes, capture, keep_input_sources, return_arguments_themselves, symbolic_inputs
 from .codegen import compile_program, fewest_regions, prepare, warm_up
 from .compat import dynamo_trace_seconds
 from .compile_stats import CompileStats, record
@@ -181,6 +181,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     call (`DeferredStep`)."""
     stats = CompileStats(dynamo_trace_s=dynamo_trace_seconds())
     keep_input_sources(gm)  # which inputs are buffers: Dynamo forgets once it is done with the frame
+    themselves = return_arguments_themselves(gm)  # a buffer an out= op wrote, which Dynamo's code sets again
     # The compiled call's arguments as the step sees them: the parameters where Dynamo traced
     # their program placeholders (`dtensor_params`; capture and the plan's key read those
     # as such). The step stands them in on every call.
@@ -192,8 +193,8 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     warming = warm_up(strategy.codegen, device)  # in the background, while Dynamo ends and the step is planned
     sized = symbolic_inputs(gm, example_inputs)
     anchor = next((i for i, t in enumerate(example_inputs) if isinstance(t, nn.Parameter)), None)
-    return DeferredStep(_StepBuilder(gm, example_inputs, strategy, device, dump, warming, stats, sized), sized,
-                        anchor)
+    return DeferredStep(_StepBuilder(gm, example_inputs, strategy, device, dump, warming, stats, sized, themselves),
+                        sized, anchor)
 
 
 # How many batch shapes a frame compiles steps for before each new one warns (Dynamo's default
@@ -283,8 +284,10 @@ class _StepBuilder:
     compiled frame keeps nothing of the model alive."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list, strategy: Strategy, device: torch.device | None,
-                 dump: DebugDump, warming, stats: CompileStats, sized: tuple[int, ...]):
+                 dump: DebugDump, warming, stats: CompileStats, sized: tuple[int, ...],
+                 themselves: list[tuple[int, int]]):
         self.gm, self.strategy, self.device, self.dump, self.sized = gm, strategy, device, dump, sized
+        self.themselves = themselves  # the outputs that are arguments (`return_arguments_themselves`)
         self.first: tuple | None = (example_inputs, warming, stats)
         self.later = 0  # steps compiled since the first
 
@@ -294,12 +297,12 @@ class _StepBuilder:
         if self.first is not None:
             (example_inputs, warming, stats), self.first = self.first, None
             return _compile(self.gm, _at_call_sizes(example_inputs, args, self.sized), self.strategy, self.device,
-                            self.dump, warming, stats)
+                            self.dump, warming, stats, self.themselves)
         self.later += 1
         name = "_".join(str(size) if isinstance(size, int) else "x".join(map(str, size)) for size in sizes)
         return _compile(self.gm, list(args), self.strategy, self.device,
                         self.dump.beside(f"step_{self.later}" + (f"_sizes_{name}" if name else "")),
-                        warm_up(self.strategy.codegen, self.device), CompileStats())
+                        warm_up(self.strategy.codegen, self.device), CompileStats(), self.themselves)
 
 
 def _at_call_sizes(example_inputs: list, args: tuple, sized: tuple[int, ...]) -> list:
@@ -313,8 +316,9 @@ def _at_call_sizes(example_inputs: list, args: tuple, sized: tuple[int, ...]) ->
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list, strategy: Strategy,
-             device: torch.device | None, dump: DebugDump, warming, stats: CompileStats) -> CompiledStep:
-    """The step, planned and compiled. Torch's random state (the CPU's generator, and the
+             device: torch.device | None, dump: DebugDump, warming, stats: CompileStats,
+             themselves: list[tuple[int, int]]) -> CompiledStep:
+    """The step, planned and compiled, returning the arguments `themselves` names. Torch's random state (the CPU's generator, and the
     model's device's) is put back after, as Dynamo puts it back around a backend: a compile
     draws the dropout seed from it (`philox.draw_seed`) without moving the stream the
     training loop draws from."""
@@ -322,11 +326,11 @@ def _compile(gm: fx.GraphModule, example_inputs: list, strategy: Strategy,
     random_state_kept = torch.random.fork_rng(devices=[device] if accelerator else [],
                                               device_type=device.type if accelerator else None)
     with random_state_kept, _collecting_only_new_objects() as frozen, stats.collections(frozen):
-        return _compile_step(gm, example_inputs, strategy, device, dump, warming, stats)
+        return _compile_step(gm, example_inputs, strategy, device, dump, warming, stats, themselves)
 
 
 def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, device: torch.device | None,
-                  dump: DebugDump, warming, stats: CompileStats) -> CompiledStep:
+                  dump: DebugDump, warming, stats: CompileStats, themselves: list[tuple[int, int]]) -> CompiledStep:
     """The step planned and compiled for `example_inputs` (static where the call's sizes
     replaced Dynamo's symbols), its random ops drawing from the model's stream: the one an
     earlier compile of the model started (`philox.stream_of`), or a new one."""
@@ -378,6 +382,7 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
         randomness=randomness,
         specs=specs,
         placeholders=placeholders,
+        themselves=themselves,
     )
 
 

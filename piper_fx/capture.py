@@ -48,6 +48,33 @@ def keep_input_sources(gm: fx.GraphModule) -> None:
             node.meta[SOURCE] = name
 
 
+def return_arguments_themselves(gm: fx.GraphModule) -> list[tuple[int, int]]:
+    """The outputs of Dynamo's graph `gm` beside the loss that are one of its arguments itself,
+    each (output index, argument index), from now on returned as None by `gm`.
+
+    A forward that writes a buffer with an out= op and sets it on its module again, as spectral
+    norm's power iteration does (`self._u = F.normalize(..., out=self._u)`), makes Dynamo's
+    graph return the buffer for its code to set. The joint graph would return the buffer's new
+    value as a tensor of its own, which would become the module's buffer in place of the one it
+    has (and, named as the buffer's update is, be dropped with it). The step returns the argument
+    itself in its place instead (`CompiledStep`), updated in place as the forward updates every
+    buffer it mutates (`passes.update_buffers`): as in eager, where the out= op returns the buffer.
+    Whoever hands `capture` a Dynamo graph calls this first, once (the piper backend)."""
+    output = gm.graph.find_nodes(op="output")[0]
+    returned = _returned(gm)
+    arguments = {id(node.meta.get("example_value")): index
+                 for index, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    themselves = [(index, arguments[id(node.meta.get("example_value"))]) for index, node in enumerate(returned)
+                  if index and isinstance(node, fx.Node) and isinstance(node.meta.get("example_value"), torch.Tensor)
+                  and id(node.meta["example_value"]) in arguments]
+    if themselves:
+        for index, _ in themselves:
+            returned[index] = None
+        output.args = (type(output.args[0])(returned) if isinstance(output.args[0], (tuple, list)) else returned[0],)
+        gm.recompile()
+    return themselves
+
+
 def _fqn_from_source(node: fx.Node) -> tuple[str | None, bool]:
     """Model-relative name of a lifted parameter/buffer, and whether it is a buffer
     (from the source `keep_input_sources` kept)."""

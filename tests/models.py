@@ -255,6 +255,21 @@ class BatchNormMLP(nn.Module):
         return F.mse_loss(self.out(F.gelu(self.norm(self.fc(x)))), y)
 
 
+class SpectralNormMLP(nn.Module):
+    """An MLP whose layers are under `torch.nn.utils.parametrizations.spectral_norm`, as a GAN's
+    discriminator's are: each forward in training runs a step of power iteration, which writes
+    the norm's `_u` and `_v` buffers with out= ops and sets them on their module again."""
+
+    def __init__(self):
+        super().__init__()
+        normed = nn.utils.parametrizations.spectral_norm
+        self.fc, self.mid = normed(nn.Linear(WIDTH, 2 * WIDTH)), normed(nn.Linear(2 * WIDTH, 2 * WIDTH))
+        self.out = nn.Linear(2 * WIDTH, 1)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.out(F.leaky_relu(self.mid(F.leaky_relu(self.fc(x), 0.2)), 0.2)), y)
+
+
 class ConvNet(nn.Module):
     """A small image classifier: convolutions, a `BatchNorm2d` (running statistics it mutates;
     with `batch_norm=False` a `GroupNorm`), a `GroupNorm`, max and average pooling, on

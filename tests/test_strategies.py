@@ -18,7 +18,7 @@ import re
 from hypothesis import HealthCheck, Phase, given, settings
 
 from strategy_space import Case, cases, check_outcomes, train_case
-from training import batch_norm_worker, frozen_worker, pipeline_worker, recurrent_worker
+from training import frozen_worker, mutated_buffers_worker, pipeline_worker, recurrent_worker
 
 EXAMPLES = int(os.environ.get("PIPER_STRATEGY_EXAMPLES", "0"))
 PROFILE = settings(
@@ -105,7 +105,7 @@ def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):
     cases = [(1, {"codegen": "eager"}), (1, {"codegen": "inductor"}), (2, {"codegen": "eager", "zero": 0}),
              (2, {"codegen": "eager", "zero": 3})]
     for world, options in cases:
-        for rank, outcome in enumerate(rank_pools(world).run(batch_norm_worker, options)):
+        for rank, outcome in enumerate(rank_pools(world).run(mutated_buffers_worker, options)):
             assert "error" not in outcome, (options, rank, outcome.get("error"))
             result = outcome["value"]
             assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
@@ -120,8 +120,8 @@ def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):
     # split a group norm's decomposition, whose one backward left the first part's stage none
     # (no I or W task for the schedule's actions, `split_stages`).
     zbv = {"mesh": {"pp": 2}, "pipeline": {"schedule": "zbv", "microbatches": 2}, "codegen": "inductor"}
-    for options, batch_norm in (({"zero": 2, "codegen": "inductor"}, True), (zbv, False)):
-        for rank, outcome in enumerate(rank_pools(2).run(batch_norm_worker, options, True, batch_norm)):
+    for options, model in (({"zero": 2, "codegen": "inductor"}, "conv"), (zbv, "conv_group_norm")):
+        for rank, outcome in enumerate(rank_pools(2).run(mutated_buffers_worker, options, model)):
             assert "error" not in outcome, (options, rank, outcome.get("error"))
             result = outcome["value"]
             assert max(result["loss_errors"]) < 1e-5 and max(result["errors"].values()) < 1e-5, (options, rank, result)
@@ -138,17 +138,17 @@ def test_buffers_the_forward_mutates_are_updated_microbatch_by_microbatch(rank_p
     case above checks that too."""
     def pipeline(schedule: str, microbatches: int, **options) -> dict:
         return {"mesh": {"pp": 2}, "pipeline": {"schedule": schedule, "microbatches": microbatches}, **options}
-    cases = [(1, {"codegen": "eager", "pipeline": {"microbatches": 2}}, False),
-             (1, {"codegen": "inductor", "pipeline": {"microbatches": 2}}, False),
-             (2, {"codegen": "eager", "zero": 3, "pipeline": {"microbatches": 2}}, False),
-             (2, pipeline("gpipe", 2, codegen="eager"), False),
-             (2, pipeline("1f1b", 4, codegen="inductor", activation_checkpointing={"mode": "full"}), True),
-             (2, pipeline("zbv", 2, codegen="eager"), True),
-             (2, pipeline("dualpipev", 4, codegen="eager"), True),
+    cases = [(1, {"codegen": "eager", "pipeline": {"microbatches": 2}}, "batch_norm"),
+             (1, {"codegen": "inductor", "pipeline": {"microbatches": 2}}, "batch_norm"),
+             (2, {"codegen": "eager", "zero": 3, "pipeline": {"microbatches": 2}}, "batch_norm"),
+             (2, pipeline("gpipe", 2, codegen="eager"), "batch_norm"),
+             (2, pipeline("1f1b", 4, codegen="inductor", activation_checkpointing={"mode": "full"}), "conv"),
+             (2, pipeline("zbv", 2, codegen="eager"), "conv"),
+             (2, pipeline("dualpipev", 4, codegen="eager"), "conv"),
              (4, {"mesh": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 2},
-                  "codegen": "eager"}, True)]
-    for world, options, conv in cases:
-        for rank, outcome in enumerate(rank_pools(world).run(batch_norm_worker, options, conv)):
+                  "codegen": "eager"}, "conv")]
+    for world, options, model in cases:
+        for rank, outcome in enumerate(rank_pools(world).run(mutated_buffers_worker, options, model)):
             assert "error" not in outcome, (options, rank, outcome.get("error"))
             result = outcome["value"]
             assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
@@ -156,6 +156,26 @@ def test_buffers_the_forward_mutates_are_updated_microbatch_by_microbatch(rank_p
     # DualPipe runs every stage on two ranks, which would each update the statistics from their
     # own microbatches: refused on every rank, naming the buffer.
     dualpipe = pipeline("dualpipe", 4, codegen="eager")
-    for outcome in rank_pools(2).run(batch_norm_worker, dualpipe, True):
+    for outcome in rank_pools(2).run(mutated_buffers_worker, dualpipe, "conv"):
         assert "buffer norm1.num_batches_tracked in place" in outcome.get("error", "") \
             and "on pipeline ranks 0, 1" in outcome["error"], outcome
+
+
+def test_buffers_an_out_op_writes_stay_the_modules(rank_pools):
+    """Found probing PyTorch's layers: spectral norm's power iteration writes its `_u` and `_v`
+    buffers with out= ops and sets them on its module again (`self._u = F.normalize(...,
+    out=self._u)`), and Dynamo's graph returns them for its code to set. The step returned None
+    there, the modules' buffers became None, and the next call broke Dynamo's graph (refused as
+    a graph break). The step now returns the buffer itself (`capture.return_arguments_themselves`),
+    updated in place: each module keeps the buffers it has, and trains as one process does,
+    microbatch by microbatch in a pipeline."""
+    cases = [(1, {"codegen": "inductor"}), (2, {"codegen": "eager", "zero": 3}),
+             (2, {"codegen": "eager", "zero": 1, "pipeline": {"microbatches": 2}}),
+             (2, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}, "codegen": "eager"})]
+    for world, options in cases:
+        for rank, outcome in enumerate(rank_pools(world).run(mutated_buffers_worker, options, "spectral_norm")):
+            assert "error" not in outcome, (options, rank, outcome.get("error"))
+            result = outcome["value"]
+            assert result["same_buffers"], (options, rank)
+            assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
+            assert max(result["errors"].values()) < 1e-5, (options, rank, result["errors"])

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import os
 import time
@@ -849,19 +850,25 @@ def padded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return x, y.masked_fill(mask == 0, -100), mask
 
 
-def batch_norm_worker(rank: int, world: int, options: dict, conv: bool = False, batch_norm: bool = True) -> dict:
-    """`models.BatchNormMLP` (with `conv`, `models.ConvNet(batch_norm)`) trained 3 steps (SGD) on this
-    rank's share of each batch, beside an eager copy trained as DDP trains it without
-    broadcasting buffers (its gradients averaged over the ranks, its norm's statistics of this
-    rank's rows alone, as under FSDP2), on the options' microbatches one after another (each
-    normalized by its own statistics, and updating the running ones in turn, as gradient
-    accumulation and torch.distributed.pipelining do): the largest relative differences of
-    the losses, and of every parameter and buffer (`full_state_dict`'s, on every rank)."""
-    from models import BatchNormMLP, ConvNet, batch, conv_batch
+def mutated_buffers_worker(rank: int, world: int, options: dict, model: str = "batch_norm") -> dict:
+    """A model whose forward mutates buffers trained 3 steps (SGD) on this rank's share of each
+    batch, beside an eager copy trained as DDP trains it without broadcasting buffers (its
+    gradients averaged over the ranks, its buffers updated from this rank's rows alone, as
+    under FSDP2), on the options' microbatches one after another (each normalized by its own
+    statistics, and updating the buffers in turn, as gradient accumulation and
+    torch.distributed.pipelining do): the largest relative differences of the losses, and of
+    every parameter and buffer (`full_state_dict`'s, on every rank), and whether the model
+    holds the buffer objects it started with. `model`: "batch_norm" (`models.BatchNormMLP`),
+    "conv" (`models.ConvNet`), "conv_group_norm" (its group norm in place of the batch norm) or
+    "spectral_norm" (`models.SpectralNormMLP`)."""
+    from models import BatchNormMLP, ConvNet, SpectralNormMLP, batch, conv_batch
 
+    build, batch = {"batch_norm": (BatchNormMLP, batch), "conv": (ConvNet, conv_batch),
+                    "conv_group_norm": (functools.partial(ConvNet, False), conv_batch),
+                    "spectral_norm": (SpectralNormMLP, batch)}[model]
     torch.manual_seed(0)
-    model, reference = (ConvNet(batch_norm), ConvNet(batch_norm)) if conv else (BatchNormMLP(), BatchNormMLP())
-    batch = conv_batch if conv else batch
+    model, reference = build(), build()
+    buffers = dict(model.named_buffers())
     reference.load_state_dict(model.state_dict())
     piper_fx.prepare(model, options)
     step = torch.compile(model, backend="piper", options=options)
@@ -890,7 +897,8 @@ def batch_norm_worker(rank: int, world: int, options: dict, conv: bool = False, 
         loss_errors.append(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
     full, expected = piper_fx.full_state_dict(model), reference.state_dict()
     return {"loss_errors": loss_errors, "errors": {name: relative_error(full[name].double(), expected[name].double())
-                                                   for name in expected}}
+                                                   for name in expected},
+            "same_buffers": all(held is buffers[name] for name, held in model.named_buffers())}
 
 
 def frozen_worker(rank: int, world: int, options: dict, pp_regions: bool) -> dict:

@@ -164,7 +164,7 @@ class CompiledStep:
                  num_user_outputs: int,
                  batch_shapes: dict[int, tuple[int, ...]], dump: DebugDump | None = None,
                  randomness: StepRandomness | None = None, specs: dict[int, DTensorSpec] | None = None,
-                 placeholders: Sequence[int] = ()):
+                 placeholders: Sequence[int] = (), themselves: Sequence[tuple[int, int]] = ()):
         self.executor = executor
         self.randomness = randomness  # feeds the graph's random ops (`InputRole.RNG`), if it has any
         self.dump = dump
@@ -201,6 +201,9 @@ class CompiledStep:
         # mutates are updated by the tasks themselves (`passes.update_buffers`).
         self.user_outputs = [(o.name, o.index, o.role is OutputRole.LOSS) for o in self.outputs
                              if o.role in (OutputRole.LOSS, OutputRole.OUTPUT)]
+        # The outputs that are an argument itself, (output index, argument index): Dynamo's graph
+        # returns None there (`capture.return_arguments_themselves`), and the step the argument.
+        self.themselves = list(themselves)
         # The outputs beside the loss that the model made with a gradient: (index, where made).
         self.attached = {o.index: o.made_at for o in self.outputs if o.role is OutputRole.OUTPUT and o.made_at}
         self.grad_outputs = [(o.name, o.index) for o in self.outputs if o.role is OutputRole.GRAD]
@@ -329,13 +332,17 @@ class CompiledStep:
         return args
 
     def __call__(self, *args: torch.Tensor):
-        if self.placeholders:
-            args = self._stand_in(args)
+        arguments = self._stand_in(args) if self.placeholders else args
         if not self.training:
             with torch.no_grad():
-                user_outputs, _ = self.run_program(args)
-            return tuple(user_outputs)
-        return tuple(_StepFunction.apply(self, *args))
+                user_outputs, _ = self.run_program(arguments)
+        else:
+            user_outputs = _StepFunction.apply(self, *arguments)
+        if self.themselves:  # Dynamo's own arguments: its code sets them on their modules again
+            user_outputs = list(user_outputs)
+            for index, argument in self.themselves:
+                user_outputs[index] = args[argument]
+        return tuple(user_outputs)
 
 
 class _StepFunction(torch.autograd.Function):
