@@ -270,6 +270,22 @@ class SpectralNormMLP(nn.Module):
         return F.mse_loss(self.out(F.leaky_relu(self.mid(F.leaky_relu(self.fc(x), 0.2)), 0.2)), y)
 
 
+class ContrastiveTowers(nn.Module):
+    """Two towers under CLIP's loss: each row's embedding scored against every row's of the
+    batch (`a @ b.T`), so that the loss mixes the rows a replica (and a microbatch) holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.log_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x, y):
+        a, b = F.normalize(self.left(x), dim=-1), F.normalize(self.right(x * y), dim=-1)
+        logits = a @ b.t() * self.log_scale.exp()
+        labels = torch.arange(x.shape[0], device=x.device)
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
 class ConvNet(nn.Module):
     """A small image classifier: convolutions, a `BatchNorm2d` (running statistics it mutates;
     with `batch_norm=False` a `GroupNorm`), a `GroupNorm`, max and average pooling, on

@@ -18,7 +18,7 @@ import re
 from hypothesis import HealthCheck, Phase, given, settings
 
 from strategy_space import Case, cases, check_outcomes, train_case
-from training import frozen_worker, mutated_buffers_worker, pipeline_worker, recurrent_worker
+from training import frozen_worker, local_rows_worker, pipeline_worker, recurrent_worker
 
 EXAMPLES = int(os.environ.get("PIPER_STRATEGY_EXAMPLES", "0"))
 PROFILE = settings(
@@ -105,7 +105,7 @@ def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):
     cases = [(1, {"codegen": "eager"}), (1, {"codegen": "inductor"}), (2, {"codegen": "eager", "zero": 0}),
              (2, {"codegen": "eager", "zero": 3})]
     for world, options in cases:
-        for rank, outcome in enumerate(rank_pools(world).run(mutated_buffers_worker, options)):
+        for rank, outcome in enumerate(rank_pools(world).run(local_rows_worker, options)):
             assert "error" not in outcome, (options, rank, outcome.get("error"))
             result = outcome["value"]
             assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
@@ -121,7 +121,7 @@ def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):
     # (no I or W task for the schedule's actions, `split_stages`).
     zbv = {"mesh": {"pp": 2}, "pipeline": {"schedule": "zbv", "microbatches": 2}, "codegen": "inductor"}
     for options, model in (({"zero": 2, "codegen": "inductor"}, "conv"), (zbv, "conv_group_norm")):
-        for rank, outcome in enumerate(rank_pools(2).run(mutated_buffers_worker, options, model)):
+        for rank, outcome in enumerate(rank_pools(2).run(local_rows_worker, options, model)):
             assert "error" not in outcome, (options, rank, outcome.get("error"))
             result = outcome["value"]
             assert max(result["loss_errors"]) < 1e-5 and max(result["errors"].values()) < 1e-5, (options, rank, result)
@@ -148,7 +148,7 @@ def test_buffers_the_forward_mutates_are_updated_microbatch_by_microbatch(rank_p
              (4, {"mesh": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 2},
                   "codegen": "eager"}, "conv")]
     for world, options, model in cases:
-        for rank, outcome in enumerate(rank_pools(world).run(mutated_buffers_worker, options, model)):
+        for rank, outcome in enumerate(rank_pools(world).run(local_rows_worker, options, model)):
             assert "error" not in outcome, (options, rank, outcome.get("error"))
             result = outcome["value"]
             assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
@@ -156,7 +156,7 @@ def test_buffers_the_forward_mutates_are_updated_microbatch_by_microbatch(rank_p
     # DualPipe runs every stage on two ranks, which would each update the statistics from their
     # own microbatches: refused on every rank, naming the buffer.
     dualpipe = pipeline("dualpipe", 4, codegen="eager")
-    for outcome in rank_pools(2).run(mutated_buffers_worker, dualpipe, "conv"):
+    for outcome in rank_pools(2).run(local_rows_worker, dualpipe, "conv"):
         assert "buffer norm1.num_batches_tracked in place" in outcome.get("error", "") \
             and "on pipeline ranks 0, 1" in outcome["error"], outcome
 
@@ -173,9 +173,24 @@ def test_buffers_an_out_op_writes_stay_the_modules(rank_pools):
              (2, {"codegen": "eager", "zero": 1, "pipeline": {"microbatches": 2}}),
              (2, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}, "codegen": "eager"})]
     for world, options in cases:
-        for rank, outcome in enumerate(rank_pools(world).run(mutated_buffers_worker, options, "spectral_norm")):
+        for rank, outcome in enumerate(rank_pools(world).run(local_rows_worker, options, "spectral_norm")):
             assert "error" not in outcome, (options, rank, outcome.get("error"))
             result = outcome["value"]
             assert result["same_buffers"], (options, rank)
+            assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
+            assert max(result["errors"].values()) < 1e-5, (options, rank, result["errors"])
+
+
+def test_a_loss_that_mixes_rows_is_each_replicas_as_under_ddp(rank_pools):
+    """A loss that mixes the batch's rows (CLIP's, each row against every other) is each
+    replica's over its own rows, and each microbatch's over its own, as under DDP, FSDP2,
+    gradient accumulation and torch.distributed.pipelining: not the loss of the global batch,
+    which none of them computes either."""
+    cases = [(2, {"codegen": "eager", "zero": 3, "pipeline": {"microbatches": 2}}),
+             (2, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}, "codegen": "eager"})]
+    for world, options in cases:
+        for rank, outcome in enumerate(rank_pools(world).run(local_rows_worker, options, "contrastive")):
+            assert "error" not in outcome, (options, rank, outcome.get("error"))
+            result = outcome["value"]
             assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
             assert max(result["errors"].values()) < 1e-5, (options, rank, result["errors"])

@@ -850,22 +850,23 @@ def padded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return x, y.masked_fill(mask == 0, -100), mask
 
 
-def mutated_buffers_worker(rank: int, world: int, options: dict, model: str = "batch_norm") -> dict:
-    """A model whose forward mutates buffers trained 3 steps (SGD) on this rank's share of each
-    batch, beside an eager copy trained as DDP trains it without broadcasting buffers (its
+def local_rows_worker(rank: int, world: int, options: dict, model: str = "batch_norm") -> dict:
+    """A model whose step depends on which rows it computes together (its forward mutates
+    buffers from them, or its loss mixes them) trained 3 steps (SGD) on this rank's share of
+    each batch, beside an eager copy trained as DDP trains it without broadcasting buffers (its
     gradients averaged over the ranks, its buffers updated from this rank's rows alone, as
     under FSDP2), on the options' microbatches one after another (each normalized by its own
     statistics, and updating the buffers in turn, as gradient accumulation and
     torch.distributed.pipelining do): the largest relative differences of the losses, and of
     every parameter and buffer (`full_state_dict`'s, on every rank), and whether the model
     holds the buffer objects it started with. `model`: "batch_norm" (`models.BatchNormMLP`),
-    "conv" (`models.ConvNet`), "conv_group_norm" (its group norm in place of the batch norm) or
-    "spectral_norm" (`models.SpectralNormMLP`)."""
-    from models import BatchNormMLP, ConvNet, SpectralNormMLP, batch, conv_batch
+    "conv" (`models.ConvNet`), "conv_group_norm" (its group norm in place of the batch norm),
+    "spectral_norm" (`models.SpectralNormMLP`) or "contrastive" (`models.ContrastiveTowers`)."""
+    from models import BatchNormMLP, ContrastiveTowers, ConvNet, SpectralNormMLP, batch, conv_batch
 
     build, batch = {"batch_norm": (BatchNormMLP, batch), "conv": (ConvNet, conv_batch),
                     "conv_group_norm": (functools.partial(ConvNet, False), conv_batch),
-                    "spectral_norm": (SpectralNormMLP, batch)}[model]
+                    "spectral_norm": (SpectralNormMLP, batch), "contrastive": (ContrastiveTowers, batch)}[model]
     torch.manual_seed(0)
     model, reference = build(), build()
     buffers = dict(model.named_buffers())
