@@ -49,8 +49,8 @@ def keep_input_sources(gm: fx.GraphModule) -> None:
 
 
 def return_arguments_themselves(gm: fx.GraphModule) -> list[tuple[int, int]]:
-    """The outputs of Dynamo's graph `gm` beside the loss that are one of its arguments itself,
-    each (output index, argument index), from now on returned as None by `gm`.
+    """The outputs of Dynamo's graph `gm` that are one of its arguments itself, each (output
+    index, argument index), from now on returned as None by `gm`.
 
     A forward that writes a buffer with an out= op and sets it on its module again, as spectral
     norm's power iteration does (`self._u = F.normalize(..., out=self._u)`), makes Dynamo's
@@ -65,7 +65,7 @@ def return_arguments_themselves(gm: fx.GraphModule) -> list[tuple[int, int]]:
     arguments = {id(node.meta.get("example_value")): index
                  for index, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
     themselves = [(index, arguments[id(node.meta.get("example_value"))]) for index, node in enumerate(returned)
-                  if index and isinstance(node, fx.Node) and isinstance(node.meta.get("example_value"), torch.Tensor)
+                  if isinstance(node, fx.Node) and isinstance(node.meta.get("example_value"), torch.Tensor)
                   and id(node.meta["example_value"]) in arguments]
     if themselves:
         for index, _ in themselves:
@@ -311,22 +311,19 @@ def _describe_inputs(joint: fx.GraphModule, traced_inputs: list, arg_indices: li
     return inputs
 
 
-def _describe_outputs(output_node: fx.Node, arg_indices: list[int], training: bool,
+def _describe_outputs(output_node: fx.Node, arg_indices: list[int], loss: int | None,
                       attached: dict[int, str]) -> tuple[list[GraphOutput], list[fx.Node]]:
     """The role of every value the joint graph returns (loss, output, gradient, mutation), and the
-    values. Output 0 is the loss in training, and in inference where it is a floating scalar (an
-    evaluation's loss, averaged over microbatches as in training); `attached`: the outputs beside
-    it the model made with a gradient, by index, with where (`_detach_outputs_beside_the_loss`)."""
+    values. Output `loss` is the loss (`loss_index`: in inference too, an evaluation's loss,
+    averaged over microbatches as in training); `attached`: the outputs beside it the model made
+    with a gradient, by index, with where (`_detach_outputs_beside_the_loss`)."""
     outputs: list[GraphOutput] = []
     kept: list[fx.Node] = []
     for value, desc in zip(output_node.args[0], output_node.meta["desc"]):
         if value is None:
             continue
         if isinstance(desc, aot_desc.PlainAOTOutput):
-            val = value.meta.get("val")
-            loss = desc.idx == 0 and (training or (
-                isinstance(val, torch.Tensor) and val.numel() == 1 and val.is_floating_point()))
-            role = OutputRole.LOSS if loss else OutputRole.OUTPUT
+            role = OutputRole.LOSS if desc.idx == loss else OutputRole.OUTPUT
             outputs.append(GraphOutput(value.name, role, desc.idx, attached.get(desc.idx)))
         elif isinstance(desc, aot_desc.GradAOTOutput) and isinstance(desc.grad_of, aot_desc.PlainAOTInput):
             outputs.append(GraphOutput(value.name, OutputRole.GRAD, arg_indices[desc.grad_of.idx]))
@@ -348,34 +345,40 @@ _FIXED_BATCH = (
     "arguments of the function you compile before each call (torch._dynamo.mark_dynamic(x, 0))")
 
 
-def _not_one_scalar_loss(differentiable: int, shape: tuple | None, microbatches: int,
-                         scalar_at: int | None = None) -> PiperError:
+def _not_one_scalar_loss(differentiable: int, shape: tuple | None, microbatches: int) -> PiperError:
     return PiperError(
         f"the compiled graph returns {differentiable} differentiable outputs, the first of shape "
-        f"{shape}; piper_fx runs whole training steps and needs the model to return its scalar "
-        "loss first"
-        + (f" (its output {scalar_at} is a scalar that requires grad: return the loss first. Dynamo "
-           "returns the tensors of an object the forward made before the model's outputs, as a Hugging "
-           "Face model's key and value cache: keep none in training, use_cache=False)" if scalar_at else "")
-        + ". A graph break also splits the model "
+        f"{shape}, and none is a scalar; piper_fx runs whole training steps and needs the model to "
+        "return its scalar loss. A graph break also splits the model "
         "into graphs that do not end in the loss: compile with fullgraph=True to find it"
         + (". Under a pipeline, piper_fx.prepare marks the batch size dynamic in a hook of the "
            "module it prepared, which breaks a function compiled around its call there: compile "
            "that module (a Hugging Face model itself, called with its labels)" if microbatches > 1 else ""))
 
 
-def _check_first_output_is_a_scalar(gm: fx.GraphModule, microbatches: int) -> None:
-    """Before anything is traced: a training graph from Dynamo whose first output is not a
-    scalar is not a whole training step (a graph break ended it early, say), whatever its
-    arguments are (a graph after a break takes values of the model's, not its batch)."""
+def _check_a_scalar_loss(gm: fx.GraphModule, microbatches: int) -> None:
+    """Before anything is traced: a training graph from Dynamo that returns differentiable
+    values, none a scalar, is not a whole training step (a graph break ended it early, say),
+    whatever its arguments are (a graph after a break takes values of the model's, not its batch)."""
     values = [node.meta.get("example_value") for node in _returned(gm) if isinstance(node, fx.Node)]
     differentiable = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
-    if differentiable and (differentiable[0] is not values[0] or values[0].numel() != 1):
-        first = values[0]
-        scalar_at = next((i for i, v in enumerate(values) if i and isinstance(v, torch.Tensor) and v.requires_grad
-                          and v.numel() == 1), None)
-        raise _not_one_scalar_loss(len(differentiable), tuple(first.shape) if isinstance(first, torch.Tensor) else None,
-                                   microbatches, scalar_at)
+    if differentiable and not any(v.numel() == 1 and v.is_floating_point() for v in differentiable):
+        raise _not_one_scalar_loss(len(differentiable), tuple(differentiable[0].shape), microbatches)
+
+
+def loss_index(gm: fx.GraphModule) -> int | None:
+    """Which output of Dynamo's graph `gm` is the loss: the first floating-point scalar it
+    returns that requires grad, or where none does (under no_grad), its first floating-point
+    scalar; None without one.
+
+    Not always output 0: Dynamo returns the tensors of an object the forward made and returns
+    (a Hugging Face model's key and value cache, on unless `use_cache=False`) before the
+    model's outputs, and a model may return its logits before its loss. The step returns its
+    outputs in Dynamo's order, and differentiates the loss alone."""
+    scalars = [(index, node.meta["example_value"]) for index, node in enumerate(_returned(gm))
+               if isinstance(node, fx.Node) and isinstance(node.meta.get("example_value"), torch.Tensor)
+               and node.meta["example_value"].numel() == 1 and node.meta["example_value"].is_floating_point()]
+    return next((index for index, value in scalars if value.requires_grad), scalars[0][0] if scalars else None)
 
 
 def _returned(gm: fx.GraphModule) -> list:
@@ -385,15 +388,15 @@ def _returned(gm: fx.GraphModule) -> list:
     return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
 
-def _detach_outputs_beside_the_loss(gm: fx.GraphModule) -> list[int]:
-    """Return every output but the loss (output 0) of Dynamo's graph `gm` detached, so that the
-    step differentiates the loss alone; the indices of those that required grad, which the step
-    returns attached (`runtime.step`)."""
+def _detach_outputs_beside_the_loss(gm: fx.GraphModule, loss: int | None) -> list[int]:
+    """Return every output but the loss (output `loss`) of Dynamo's graph `gm` detached, so that
+    the step differentiates the loss alone; the indices of those that required grad, which the
+    step returns attached (`runtime.step`)."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     returned, detached = _returned(gm), []
-    for index, node in enumerate(returned[1:], 1):
+    for index, node in enumerate(returned):
         example = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-        if isinstance(example, torch.Tensor) and example.requires_grad:
+        if index != loss and isinstance(example, torch.Tensor) and example.requires_grad:
             detached.append(index)
             with gm.graph.inserting_before(output):
                 returned[index] = gm.graph.call_method("detach", (node,))
@@ -448,8 +451,8 @@ def _check_one_scalar_loss(joint: fx.GraphModule, inputs: list[GraphInput], outp
 def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_group: str | None) -> TrainingDAG:
     """Trace `gm` into a joint graph and describe its inputs and outputs.
 
-    Requires: `gm` is a whole Dynamo graph (no graph break) whose first output is
-    the scalar loss when training, with its inputs' sources kept (`keep_input_sources`).
+    Requires: `gm` is a whole Dynamo graph (no graph break) that returns the scalar
+    loss when training (`loss_index`), with its inputs' sources kept (`keep_input_sources`).
     Guarantees: a `TrainingDAG` whose joint graph
     takes its placeholders in order and returns exactly `dag.outputs` as a flat tuple,
     each node a unit's forward runs or differentiates marked with that unit (`ops.LAYER`);
@@ -460,11 +463,12 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sized = any(_is_size_input(node, example) for node, example in zip(dynamo_placeholders, example_inputs))
     if torch.is_grad_enabled():
-        _check_first_output_is_a_scalar(gm, strategy.microbatches)
+        _check_a_scalar_loss(gm, strategy.microbatches)
+    loss = loss_index(gm)
     gm, traced_inputs, arg_indices = _specialize_to_microbatch(gm, example_inputs, strategy.microbatches)
     made = {index: _made_where(node) for index, node in enumerate(_returned(gm)) if isinstance(node, fx.Node)}
-    attached = {index: made[index] for index in _detach_outputs_beside_the_loss(gm)} if torch.is_grad_enabled() \
-        else {}
+    attached = {index: made[index] for index in _detach_outputs_beside_the_loss(gm, loss)} \
+        if torch.is_grad_enabled() else {}
     dynamo_placeholders = [dynamo_placeholders[i] for i in arg_indices]
     _trace_mixed_precision(gm, traced_inputs, strategy.mixed_precision)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in traced_inputs)
@@ -491,7 +495,7 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     names = [placeholder_name(example_inputs[i]) for i in arg_indices]
     inputs = _describe_inputs(joint, traced_inputs, arg_indices, dynamo_placeholders, names)
     output_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
-    outputs, kept = _describe_outputs(output_node, arg_indices, training, attached)
+    outputs, kept = _describe_outputs(output_node, arg_indices, loss, attached)
     if training:
         _check_one_scalar_loss(joint, inputs, outputs, strategy.microbatches)
     if strategy.microbatches > 1:

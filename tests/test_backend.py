@@ -305,23 +305,55 @@ def test_inference_returns_a_first_output_of_rows_as_one_call_on_the_whole_batch
         torch.testing.assert_close(logits, layer(x), rtol=1e-6, atol=1e-7)
 
 
-def test_a_loss_returned_after_another_output_is_refused_saying_to_return_it_first():
-    """The model's logits first, or Hugging Face's key and value cache, whose tensors Dynamo
-    returns before the model's outputs: the error says which output is the scalar."""
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_loss_returned_after_other_outputs_is_the_loss(microbatches):
+    """The loss is the model's first floating-point scalar that requires grad, wherever it is
+    among its outputs (`capture.loss_index`); it was refused unless first. A model returning its
+    logits, then its loss, trains, its outputs in their order; so does Hugging Face's Llama
+    compiled itself with its key and value cache on (as its config has it), whose tensors
+    Dynamo returns before the loss: the cache comes back with the model's keys and values."""
     class LogitsFirst(ReturnsLogits):
         def forward(self, x, y):
-            loss, logits, _ = super().forward(x, y)
-            return logits, loss
+            loss, logits, right = super().forward(x, y)
+            return logits, loss, right
 
+    options = {**EAGER, "pipeline": {"microbatches": microbatches}}
+    torch.manual_seed(0)
+    model, reference = LogitsFirst(), LogitsFirst()
+    reference.load_state_dict(model.state_dict())
     x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
-    with pytest.raises(PiperError, match="its output 1 is a scalar that requires grad: return the loss first"):
-        torch.compile(LogitsFirst(), backend="piper", options=EAGER)(x, y)
+    step = torch.compile(model, backend="piper", options=options)
+    (logits, loss, right), (ref_logits, ref_loss, ref_right) = step(x, y), reference(x, y)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(logits, ref_logits.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(right, ref_right)
+    loss.backward()
+    ref_loss.backward()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    logits, loss, _ = step(x, y)
+    with pytest.raises(PiperError, match=r"output 0 \(logits, made at .*differentiates the loss \(output 1\)"):
+        (loss + logits.square().mean()).backward()
+
     from training import llama_batch, tiny_llama
 
     torch._dynamo.reset()
-    x, y = llama_batch(0, 2)
-    with pytest.raises(PiperError, match=r"its output \d+ is a scalar .*use_cache=False"):
-        torch.compile(tiny_llama(), backend="piper", options=EAGER)(input_ids=x, labels=y)
+    torch.manual_seed(0)
+    llama, reference = tiny_llama(), tiny_llama()
+    reference.load_state_dict(llama.state_dict())
+    piper_fx.prepare(llama, options)
+    x, y = llama_batch(0, 4)
+    out, expected = torch.compile(llama, backend="piper", options=options)(input_ids=x, labels=y), \
+        reference(input_ids=x, labels=y)
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-6, atol=0)
+    layers = [(layer.keys, layer.values) for layer in out.cache.layers]
+    assert len(layers) == 2 and all(t.shape == (4, 2, 8, 16) for pair in layers for t in pair)
+    torch.testing.assert_close(layers, [(layer.keys.detach(), layer.values.detach()) for layer in expected.cache.layers],
+                               rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    expected.loss.backward()
+    for p, q in zip(llama.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
 def test_an_output_without_the_microbatchs_rows_is_refused_naming_where_it_is_made():

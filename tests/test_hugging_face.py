@@ -165,10 +165,14 @@ def test_a_hugging_face_model_compiled_itself_returns_its_logits_beside_its_loss
     grad"; a module returning the loss alone had to be compiled instead). Each rank returns its
     replica's logits, as one process computes them on those rows; under a pipeline the rank
     whose stage makes them (rank 1 under 1F1B, rank 0 under DualPipeV, whose last stage is
-    there) and None elsewhere, as torch.distributed.pipelining returns a stage's output."""
+    there) and None elsewhere, as torch.distributed.pipelining returns a stage's output.
+    Under the pipelines, with its key and value cache on (as its config has it), whose tensors
+    Dynamo returns before the loss (which was refused unless first): each layer's keys and
+    values come back from the rank whose stage makes them, and None from the other."""
     options = STRATEGIES.get(strategy) or {"mesh": {"pp": 2}, "codegen": "eager",
                                            "pipeline": {"schedule": "dualpipev", "microbatches": 4}}
-    results = run_ranks(hf_outputs_worker, 2, options)
+    cache = strategy != "zero3"
+    results = run_ranks(hf_outputs_worker, 2, options, 2, 4, cache)
     _check_parity(results)
     holders = {"zero3": [0, 1], "1f1b": [1], "dualpipev": [0]}[strategy]
     for rank, result in enumerate(results):
@@ -176,6 +180,13 @@ def test_a_hugging_face_model_compiled_itself_returns_its_logits_beside_its_loss
             assert max(result["logits_errors"]) < 1e-6, (rank, result["logits_errors"])
         else:
             assert result["logits_errors"] == [None, None], (rank, result["logits_errors"])
+    if cache:
+        assert all(len(result["cache_errors"]) == 2 for result in results), results
+        for step, layers in enumerate(zip(*(result["cache_errors"] for result in results))):
+            for ranks in zip(*layers):  # each layer's (keys, values) error on each rank
+                for tensor in zip(*ranks):
+                    returned = [error for error in tensor if error is not None]
+                    assert len(returned) == 1 and returned[0] < 1e-6, (step, ranks)
 
 
 def _outputs_under_bidirectional_dualpipe() -> str:

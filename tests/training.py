@@ -977,34 +977,44 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     return _parity(compiled or model, reference, loss_errors)
 
 
-def hf_outputs_worker(rank: int, world: int, options: dict, steps: int = 2, rows: int = 4) -> dict:
+def hf_outputs_worker(rank: int, world: int, options: dict, steps: int = 2, rows: int = 4,
+                      cache: bool = False) -> dict:
     """Hugging Face's Llama compiled itself, as one compiles it for eager training, not a module
     returning its loss: called with keywords, it returns its `CausalLMOutputWithPast`, the loss
-    beside the logits. Trained on this rank's shard of `rows` rows a replica against one copy on
-    the global batch (SGD with momentum): the relative errors of the losses, the parameters that
-    differ (as `hf_parity_worker`), and per step the largest difference of the logits the step
-    returned from the copy's on this replica's rows, or None where the rank returned none."""
+    beside the logits (and with `cache`, its key and value cache, on as its config has it).
+    Trained on this rank's shard of `rows` rows a replica against one copy on the global batch
+    (SGD with momentum): the relative errors of the losses, the parameters that differ (as
+    `hf_parity_worker`), and per step the largest difference of the logits the step returned
+    from the copy's on this replica's rows, or None where the rank returned none; with `cache`,
+    per step and layer, that of its keys and values."""
     torch.manual_seed(0)
     reference = tiny_llama()
     torch.manual_seed(0)
     model = tiny_llama()
     for each in (model, reference):
-        without_cache(each)
+        if not cache:
+            without_cache(each)
     mesh = options.get("mesh", {})
     dp = mesh.get("dp", world // mesh.get("pp", 1))
     piper_fx.prepare(model, options)
     opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
     step = torch.compile(model, backend="piper", options=options)
-    loss_errors, logits_errors = [], []
+    loss_errors, logits_errors, cache_errors = [], [], []
+
+    def error(value: torch.Tensor | None, expected: torch.Tensor) -> float | None:
+        return None if value is None else (value - expected.detach().chunk(dp)[replica]).abs().max().item()
+
     for i in range(steps):
         x, y = llama_batch(i, rows * dp)
         replica = rank % dp
         out = step(input_ids=x.chunk(dp)[replica], labels=y.chunk(dp)[replica])
         expected = reference(input_ids=x, labels=y)
-        logits_errors.append(None if out.logits is None else
-                             (out.logits - expected.logits.detach().chunk(dp)[replica]).abs().max().item())
+        logits_errors.append(error(out.logits, expected.logits))
+        if cache:
+            cache_errors.append([(error(layer.keys, expected_layer.keys), error(layer.values, expected_layer.values))
+                                 for layer, expected_layer in zip(out.cache.layers, expected.cache.layers, strict=True)])
         loss_errors.append(_step_both(out.loss, opt, expected.loss, ref_opt, world))
-    return {**_parity(model, reference, loss_errors), "logits_errors": logits_errors}
+    return {**_parity(model, reference, loss_errors), "logits_errors": logits_errors, "cache_errors": cache_errors}
 
 
 def without_cache(model: nn.Module) -> None:

@@ -89,7 +89,7 @@ class _ValueFlow:
     consumers: dict[str, list[Task]]
     per_step: set[str]     # one value per step, not per microbatch
     accumulated: set[str]  # summed over microbatches
-    loss: str | None       # the loss (in inference, a scalar first output), which every pipeline rank returns
+    loss: str | None       # the loss (in inference, a floating scalar output), which every pipeline rank returns
 
 
 def _value_flow(dag: TrainingDAG) -> _ValueFlow:

@@ -204,6 +204,8 @@ class CompiledStep:
         # The outputs that are an argument itself, (output index, argument index): Dynamo's graph
         # returns None there (`capture.return_arguments_themselves`), and the step the argument.
         self.themselves = list(themselves)
+        # Which output is the loss (`capture.loss_index`; None in inference without one).
+        self.loss_index = next((o.index for o in self.outputs if o.role is OutputRole.LOSS), None)
         # The outputs beside the loss that the model made with a gradient: (index, where made).
         self.attached = {o.index: o.made_at for o in self.outputs if o.role is OutputRole.OUTPUT and o.made_at}
         self.grad_outputs = [(o.name, o.index) for o in self.outputs if o.role is OutputRole.GRAD]
@@ -353,23 +355,24 @@ class _StepFunction(torch.autograd.Function):
         ctx.grads = grads
         ctx.args = args
         ctx.run = step.last_run  # where the hand-over's time goes
-        ctx.attached = step.attached
-        # Only the loss (output 0) carries gradient; the others are plain values, but for those the
-        # model made with a gradient, attached so that one reached in the backward is refused.
-        ctx.mark_non_differentiable(*(value for index, value in enumerate(user_outputs)
-                                      if index and value is not None and index not in step.attached))
+        ctx.attached, ctx.loss_index = step.attached, step.loss_index
+        # Only the loss carries gradient; the others are plain values, but for those the model
+        # made with a gradient, attached so that one reached in the backward is refused.
+        ctx.mark_non_differentiable(*(value for index, value in enumerate(user_outputs) if index != step.loss_index
+                                      and value is not None and index not in step.attached))
         ctx.set_materialize_grads(False)  # an output's gradient is None unless one flows into it
         return tuple(user_outputs)
 
     @staticmethod
-    def backward(ctx, loss_seed: torch.Tensor | None, *others: torch.Tensor | None):
-        reached = [index for index, grad in enumerate(others, 1) if grad is not None]
+    def backward(ctx, *seeds: torch.Tensor | None):
+        reached = [index for index, grad in enumerate(seeds) if grad is not None and index != ctx.loss_index]
         if reached:
             index = reached[0]
             raise PiperError(
                 f"a gradient reached the compiled model's output {index} ({ctx.attached.get(index, 'an output')}), "
-                "which piper_fx returns for reading: its step differentiates the loss (output 0) alone. "
-                "Compute that term inside the model and add it to the loss it returns")
+                f"which piper_fx returns for reading: its step differentiates the loss (output {ctx.loss_index}) "
+                "alone. Compute that term inside the model and add it to the loss it returns")
+        loss_seed = seeds[ctx.loss_index]
         started = time.perf_counter()
         grads, ctx.grads = ctx.grads, None
         args, ctx.args = ctx.args, None
