@@ -318,10 +318,10 @@ def _at_call_sizes(example_inputs: list, args: tuple, sized: tuple[int, ...]) ->
 def _compile(gm: fx.GraphModule, example_inputs: list, strategy: Strategy,
              device: torch.device | None, dump: DebugDump, warming, stats: CompileStats,
              themselves: list[tuple[int, int]]) -> CompiledStep:
-    """The step, planned and compiled, returning the arguments `themselves` names. Torch's random state (the CPU's generator, and the
-    model's device's) is put back after, as Dynamo puts it back around a backend: a compile
-    draws the dropout seed from it (`philox.draw_seed`) without moving the stream the
-    training loop draws from."""
+    """The step, planned and compiled, returning the arguments `themselves` names. Torch's random
+    state (the CPU's generator, and the model's device's) is put back after, as Dynamo puts it
+    back around a backend: a compile draws the dropout seed from it (`philox.draw_seed`) without
+    moving the stream the training loop draws from."""
     accelerator = device is not None and device.type not in ("cpu", "meta")
     random_state_kept = torch.random.fork_rng(devices=[device] if accelerator else [],
                                               device_type=device.type if accelerator else None)

@@ -356,13 +356,14 @@ def _not_one_scalar_loss(differentiable: int, shape: tuple | None, microbatches:
            "that module (a Hugging Face model itself, called with its labels)" if microbatches > 1 else ""))
 
 
-def _check_a_scalar_loss(gm: fx.GraphModule, microbatches: int) -> None:
+def _check_a_scalar_loss(gm: fx.GraphModule, loss: int | None, microbatches: int) -> None:
     """Before anything is traced: a training graph from Dynamo that returns differentiable
-    values, none a scalar, is not a whole training step (a graph break ended it early, say),
-    whatever its arguments are (a graph after a break takes values of the model's, not its batch)."""
-    values = [node.meta.get("example_value") for node in _returned(gm) if isinstance(node, fx.Node)]
+    values, none a scalar (its `loss_index` is `loss`), is not a whole training step (a graph
+    break ended it early, say), whatever its arguments are (a graph after a break takes values
+    of the model's, not its batch)."""
+    values = [node.meta.get("example_value") if isinstance(node, fx.Node) else None for node in _returned(gm)]
     differentiable = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
-    if differentiable and not any(v.numel() == 1 and v.is_floating_point() for v in differentiable):
+    if differentiable and (loss is None or not values[loss].requires_grad):
         raise _not_one_scalar_loss(len(differentiable), tuple(differentiable[0].shape), microbatches)
 
 
@@ -462,9 +463,9 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     """
     dynamo_placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     sized = any(_is_size_input(node, example) for node, example in zip(dynamo_placeholders, example_inputs))
-    if torch.is_grad_enabled():
-        _check_a_scalar_loss(gm, strategy.microbatches)
     loss = loss_index(gm)
+    if torch.is_grad_enabled():
+        _check_a_scalar_loss(gm, loss, strategy.microbatches)
     gm, traced_inputs, arg_indices = _specialize_to_microbatch(gm, example_inputs, strategy.microbatches)
     made = {index: _made_where(node) for index, node in enumerate(_returned(gm)) if isinstance(node, fx.Node)}
     attached = {index: made[index] for index in _detach_outputs_beside_the_loss(gm, loss)} \
