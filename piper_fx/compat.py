@@ -39,6 +39,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # n
 from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend  # noqa: F401
 # Marks a dimension dynamic unless Dynamo must specialize it (no public form in torch.compiler).
 from torch._dynamo import maybe_mark_dynamic  # noqa: F401
+from torch._dynamo import config as dynamo_config  # noqa: F401
 # The one exception family Dynamo lets out of a backend unwrapped (else BackendCompilerFailed).
 from torch._dynamo.exc import ShortenTraceback  # noqa: F401
 # Tracing contexts: capture and Inductor's bucketing run outside Dynamo's context (in our own

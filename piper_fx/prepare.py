@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .compat import maybe_mark_dynamic
-from .errors import PiperConfigError
+from .compat import dynamo_config, maybe_mark_dynamic
+from .errors import PiperConfigError, PiperError
 from .options import Strategy, parse_options_on_all_ranks
 from .sharding.read_through import gathers_in_eager_forward, laid_out_on_meta, replicate_parameters, trace_in_dtype
 from .sharding.experts import expert_parameters, is_expert_parameter, shard_experts
@@ -54,6 +54,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     starts the replicas alike when it first compiles the model.
     """
     strategy = parse_options_on_all_ranks(options)
+    _check_recurrent_layers_traced(model)
     applied = prepared_layout(model)
     if applied is not None:
         if applied != strategy.layout_key():
@@ -105,6 +106,21 @@ def record_holdings(model: nn.Module, strategy: Strategy) -> None:
         else:
             holding = Holding(tuple(held.parameter.shape), replica_group=dp_group_name(strategy))
         record_holding(held.parameter, holding)
+
+
+def _check_recurrent_layers_traced(model: nn.Module) -> None:
+    """`nn.RNN`, `nn.LSTM` and `nn.GRU` are traced by Dynamo only with its `allow_rnn`: without
+    it, Dynamo breaks the graph around them, and on one rank or in a pipeline alone (dp = 1) runs
+    the whole forward eagerly, so that piper_fx never sees the model, and a pipeline runs all of
+    it on every rank, silently."""
+    recurrent = [f"{name} ({type(module).__name__})" for name, module in model.named_modules()
+                 if isinstance(module, nn.RNNBase)]
+    if recurrent and not dynamo_config.allow_rnn:
+        raise PiperError(
+            f"the model's recurrent layers {', '.join(recurrent)} are traced by Dynamo only with "
+            "torch._dynamo.config.allow_rnn = True; without it Dynamo runs them, and on one rank or in "
+            "a pipeline alone the whole forward, eagerly, outside piper_fx's step (no pipeline, no "
+            "data parallelism): set it before compiling")
 
 
 def _check_experts(experts: dict[str, nn.Parameter], ep: int) -> None:

@@ -284,3 +284,24 @@ def test_pipeline_shapes_are_checked_by_the_preset(name, microbatches, stages_pe
                                     "stages_per_rank": stages_per_rank}})
     assert info.value.key == f"pipeline.{shape.value.parameter}"
     assert (info.value.value, info.value.valid) == (shape.value.value, shape.value.valid)
+
+
+def test_recurrent_layers_without_dynamos_allow_rnn_are_refused_by_prepare():
+    """Found probing PyTorch's layers: without `torch._dynamo.config.allow_rnn`, Dynamo runs an
+    `nn.LSTM` eagerly, and on one rank or in a pipeline alone the whole forward, so that
+    piper_fx never saw the model and a pipeline ran all of it on every rank, silently."""
+    class Tagger(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = torch.nn.ModuleDict({"rnn": torch.nn.LSTM(4, 4, batch_first=True)})
+            self.head = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.encoder["rnn"](x)[0]).sum()
+
+    with torch._dynamo.config.patch(allow_rnn=False), \
+            pytest.raises(piper_fx.PiperError, match=r"layers encoder.rnn \(LSTM\) are traced by Dynamo only with "
+                                                     r"torch._dynamo.config.allow_rnn = True"):
+        piper_fx.prepare(Tagger(), {"codegen": "eager"})
+    with torch._dynamo.config.patch(allow_rnn=True):
+        piper_fx.prepare(Tagger(), {"codegen": "eager"})
