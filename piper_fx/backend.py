@@ -335,7 +335,9 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
     replaced Dynamo's symbols), its random ops drawing from the model's stream: the one an
     earlier compile of the model started (`philox.stream_of`), or a new one."""
     arguments = [stood_for(t) for t in example_inputs]
-    placeholders = [i for i, (t, argument) in enumerate(zip(example_inputs, arguments)) if argument is not t]
+    # Each program placeholder's argument index, with whether its parameter requires grad now.
+    placeholders = {i: argument.requires_grad for i, (t, argument) in enumerate(zip(example_inputs, arguments))
+                    if argument is not t}
     # The model's first compile is every rank's at once; a later one checks a batch shape new to
     # this rank (not a recompile for a parameter's `requires_grad`, which may be this rank's alone).
     batches, compiled_for = batch_shapes(gm, example_inputs), _batches_compiled_for(arguments)

@@ -191,6 +191,24 @@ class BilinearImage(nn.Module):
         return F.mse_loss(self.head(torch.cat([h, image.flatten(1)], 1)), y)
 
 
+class Unfolded(nn.Module):
+    """Each row as 4 tokens of 2 features, each token's neighbours gathered by `nn.Unfold`
+    (`aten.im2col`), as ConvBERT's span-based convolution gathers them, mixed, and added back
+    into their tokens by `nn.Fold` (`aten.col2im`, also im2col's gradient): DTensor has no rule
+    for either."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mix, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(6, 6), nn.Linear(WIDTH, 1)
+        self.unfold = nn.Unfold(kernel_size=(3, 1), padding=(1, 0))
+        self.fold = nn.Fold(output_size=(4, 1), kernel_size=(3, 1), padding=(1, 0))
+
+    def forward(self, x, y):
+        tokens = torch.tanh(self.inp(x)).view(-1, 4, 2).transpose(1, 2).unsqueeze(-1)  # (rows, 2, 4, 1)
+        mixed = torch.tanh(self.mix(self.unfold(tokens).transpose(1, 2))).transpose(1, 2)  # (rows, 6, 4)
+        return F.mse_loss(self.head(self.fold(mixed).flatten(1)), y)
+
+
 @torch.library.custom_op("piper_tests::doubled", mutates_args=())
 def doubled(x: torch.Tensor) -> torch.Tensor:
     """A custom op with no placement rule anywhere."""
@@ -215,9 +233,25 @@ class CustomOp(nn.Module):
         return F.mse_loss(self.head(x), y)
 
 
+class UnusedPooler(nn.Module):
+    """Layers beside a pooler the loss never reads (as a masked language model's, FNet's): its
+    parameters require grad and get none."""
+
+    def __init__(self, depth: int = 2):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(depth))
+        self.pooler, self.head = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.mse_loss(self.head(x), y)
+
+
 MODELS = {"skip": SkipAcrossStages, "two_streams": TwoStreams, "cross": CrossStageMLP, "buffers": ScaledByBuffers,
           "table_first": TableFirst, "weight_normed": WeightNormed, "torch_encoder": TorchEncoder,
-          "recurrent": Recurrent, "bagged": Bagged, "bilinear_image": BilinearImage, "custom_op": CustomOp}
+          "recurrent": Recurrent, "bagged": Bagged, "bilinear_image": BilinearImage, "custom_op": CustomOp,
+          "unused_pooler": UnusedPooler, "unfolded": Unfolded}
 
 
 def batch(step: int, rows: int):

@@ -68,14 +68,29 @@ def test_parameters_frozen_before_prepare_stay_as_they_are_while_the_rest_train(
             assert max(result["loss_errors"]) < 1e-5 and max(result["param_errors"].values()) < 1e-5, (options, rank)
 
 
+def test_a_parameter_the_loss_does_not_read_trains_as_one_process(rank_pools):
+    """Found probing Hugging Face's FNet, whose masked language model has a pooler its loss
+    never reads: the step took a parameter whose gradient it does not compute for one that does
+    not require grad, and refused every call over replicas ("has requires_grad=True, but this
+    step was compiled for requires_grad=False"). It checks the `requires_grad` the parameter
+    had when the step was compiled."""
+    configs = [{"options": options, "model": "unused_pooler", "per_rank_batch": 4}
+               for options in ({"zero": 0}, {"zero": 3})]
+    for rank, outcome in enumerate(rank_pools(2).run(pipeline_worker, configs)):
+        assert "error" not in outcome, (rank, outcome.get("error"))
+        for config, result in zip(configs, outcome["value"]):
+            assert max(result["loss_errors"]) < 1e-5 and max(result["param_errors"].values()) < 1e-5, \
+                (config, rank, result["loss_errors"], result["param_errors"])
+
+
 def test_pytorchs_own_layers_train_like_one_process(rank_pools):
     """Found probing models unlike ours; each stopped planning, naming an op:
     - `nn.TransformerEncoderLayer` and `nn.GRU` fold the batch's rows inside the tokens (or
       steps) for a matmul, a strided shard, and unfold them again: DTensor's view rule, given
       the batch's rows where they had been, misplaced the unfolded value. The rows are now
       looked for after the strided shard's leading elements first (`_global_attempts`).
-    - Weight norm's backward, `nn.EmbeddingBag`, `nn.Bilinear` and a bilinear interpolation's
-      indexing had no rule (`op_rules`).
+    - Weight norm's backward, `nn.EmbeddingBag`, `nn.Bilinear`, a bilinear interpolation's
+      indexing, and `nn.Unfold` and `nn.Fold` (ConvBERT's) had no rule (`op_rules`).
     - Every op planned as over 2 replicas, for a pipeline alone (dp = 1) too. There every
       placement holds a value whole, so an op no rule places (a custom op of the model's) is
       `Replicate()`; over 2 replicas it is refused, naming the op, not guessed.
@@ -83,7 +98,8 @@ def test_pytorchs_own_layers_train_like_one_process(rank_pools):
     one_f_one_b = {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
     strategies = [{"zero": 0}, {"zero": 3}, one_f_one_b]
     configs = [{"options": options, "model": model, "per_rank_batch": 4}
-               for model in ("torch_encoder", "weight_normed", "bagged", "bilinear_image") for options in strategies]
+               for model in ("torch_encoder", "weight_normed", "bagged", "bilinear_image", "unfolded")
+               for options in strategies]
     configs.append({"options": one_f_one_b, "model": "custom_op", "per_rank_batch": 4})
     recurrent = [{"options": options, "model": "recurrent", "per_rank_batch": 4} for options in strategies]
     for worker, cases in ((pipeline_worker, configs), (recurrent_worker, recurrent)):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import time
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -164,7 +164,7 @@ class CompiledStep:
                  num_user_outputs: int,
                  batch_shapes: dict[int, tuple[int, ...]], dump: DebugDump | None = None,
                  randomness: StepRandomness | None = None, specs: dict[int, DTensorSpec] | None = None,
-                 placeholders: Sequence[int] = (), themselves: Sequence[tuple[int, int]] = ()):
+                 placeholders: Mapping[int, bool] | None = None, themselves: Sequence[tuple[int, int]] = ()):
         self.executor = executor
         self.randomness = randomness  # feeds the graph's random ops (`InputRole.RNG`), if it has any
         self.dump = dump
@@ -215,10 +215,11 @@ class CompiledStep:
         names = {i.arg_index: i.fqn or i.name for i in self.inputs}
         self.specs = [(index, names[index], spec) for index, spec in (specs or {}).items()]
         # The arguments Dynamo passes as program placeholders (`dtensor_params`), for which the
-        # step takes the parameters they stand for: their name, and whether the step computes
-        # each one's gradient.
-        computes_grad = {o.index for o in self.outputs if o.role is OutputRole.GRAD}
-        self.placeholders = [(index, names[index], index in computes_grad) for index in placeholders]
+        # step takes the parameters they stand for: their name, and whether each one's parameter
+        # required grad when the step was compiled (a parameter the loss does not read, an unused
+        # pooler say, requires it and gets no gradient).
+        self.placeholders = [(index, names[index], requires_grad)
+                             for index, requires_grad in (placeholders or {}).items()]
         self._reads = _ProgramReads()  # what the program reads for the parameters and buffers
         self._held_key: tuple = ()  # what `_held` last counted its first two parts for, and those parts
         self._held_bytes: dict[str, int] = {}
@@ -259,10 +260,10 @@ class CompiledStep:
                                  "placements `prepare` gave; to place it otherwise, prepare the model with "
                                  "other options and compile again")
             self.specs[position] = (index, name, now)  # an equal spec: checked by identity from now on
-        for index, name, computes_grad in self.placeholders if self.training else ():
-            if args[index].requires_grad != computes_grad:
-                raise PiperError(f"compiled argument {index} ({name}) has requires_grad={not computes_grad}, but "
-                                 f"this step was compiled for requires_grad={computes_grad}: the compiled model "
+        for index, name, requires_grad in self.placeholders if self.training else ():
+            if args[index].requires_grad != requires_grad:
+                raise PiperError(f"compiled argument {index} ({name}) has requires_grad={not requires_grad}, but "
+                                 f"this step was compiled for requires_grad={requires_grad}: the compiled model "
                                  "compiles anew for it at its next call")
 
     def _held(self, parameters: list[torch.Tensor], tensors: list[torch.Tensor]) -> dict[str, int]:

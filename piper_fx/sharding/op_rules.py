@@ -303,6 +303,15 @@ def _as_strided_scatter(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) 
     return Shard(0), []
 
 
+def _unfold_rows(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
+    """`aten.im2col` (`nn.Unfold`: ConvBERT's span-based convolution) and its gradient,
+    `aten.col2im` (`nn.Fold`), of a batch (4-d images, 3-d columns): each row's columns (image)
+    from that row's image (columns) alone, as `_batch_rows`. DTensor has no rule for either."""
+    if node.args[0].meta["val"].dim() != {aten.im2col.default: 4, aten.col2im.default: 3}[node.target]:
+        raise NoRule("it unfolds (folds) a batch of images (columns) only, with the batch's rows at dim 0")
+    return _batch_rows(node, inputs)
+
+
 def _rev(node: fx.Node, inputs: list[tuple[fx.Node, Placement]]) -> Any:
     """`prims.rev(x, dims)`, Inductor's decomposition of `flip` (Qwen3-Next's gated delta rule
     reverses its chunks' cumulative decays): each element moves along `dims` alone, so a
@@ -445,6 +454,8 @@ RULES: dict[Any, Callable[[fx.Node, list[tuple[fx.Node, Placement]]], tuple[Any,
                      aten.adaptive_max_pool2d_backward.default, aten.adaptive_max_pool3d_backward.default),
                     _batch_rows),
     aten.var_mean.correction: _row_statistics,
+    aten.im2col.default: _unfold_rows,
+    aten.col2im.default: _unfold_rows,
     aten._weight_norm_interface_backward.default: _weight_norm_backward,
     aten._embedding_bag.default: _embedding_bag,
     aten._embedding_bag_backward.default: _embedding_bag_backward,
