@@ -31,6 +31,8 @@ from .sharding.experts import EXPERT_ATTR, UNSHARD_EXPERTS
 from .sharding.row_shard import INFO_ATTR, UNSHARD, sharded_parameter_info
 from .sharding.units import layer_of
 
+aten = torch.ops.aten
+
 _SOURCE_KEY = re.compile(r"\['([^']+)'\]")
 _CONTAINERS = {"_modules", "_parameters", "_buffers"}
 
@@ -411,20 +413,52 @@ def _detach_outputs_beside_the_loss(gm: fx.GraphModule, loss: int | None) -> lis
 def _check_outputs_split_by_rows(joint: fx.GraphModule, inputs: list[GraphInput], outputs: list[GraphOutput],
                                  made: dict[int, str], microbatches: int) -> None:
     """With microbatches, each output beside the loss has the microbatch's rows at dim 0, so that the
-    microbatches' concatenated are the batch's, as one call on the whole batch returns it."""
-    vals = {n.name: n.meta.get("val") for n in joint.graph.nodes}
-    rows = {vals[i.name].shape[0] for i in inputs if i.role is InputRole.INPUT and vals[i.name].dim()}
+    microbatches' concatenated are the batch's, as one call on the whole batch returns it; or a
+    reduction over those rows made it (`_reduction_over_rows`: an accuracy's mean, a count's sum),
+    which makes the batch's from the microbatches' (`GraphOutput.reduced_by`, set here)."""
+    nodes = {n.name: n for n in joint.graph.nodes}
+    rows = {nodes[i.name].meta["val"].shape[0] for i in inputs
+            if i.role is InputRole.INPUT and nodes[i.name].meta["val"].dim()}
     for output in outputs:
-        val = vals.get(output.name)
+        val = nodes[output.name].meta.get("val")
         if output.role is OutputRole.OUTPUT and isinstance(val, torch.Tensor) and (
                 val.dim() == 0 or val.shape[0] not in rows):
-            raise PiperError(
-                f"the model's output {output.index} ({made.get(output.index, output.name)}) has shape "
-                f"{tuple(val.shape)} in a microbatch of {sorted(rows)} rows: with options['pipeline']"
-                f"['microbatches'] = {microbatches}, the step splits the batch along dim 0 and returns an "
-                "output beside the loss as its microbatches' concatenated along dim 0, which needs the "
-                "microbatch's rows there. Return a value per row (a metric per sequence, say) and reduce "
-                "it outside the step, or return it in the loss")
+            output.reduced_by = _reduction_over_rows(nodes[output.name], rows)
+            if output.reduced_by is None:
+                raise PiperError(
+                    f"the model's output {output.index} ({made.get(output.index, output.name)}) has shape "
+                    f"{tuple(val.shape)} in a microbatch of {sorted(rows)} rows: with options['pipeline']"
+                    f"['microbatches'] = {microbatches}, the step splits the batch along dim 0 and returns an "
+                    "output beside the loss as its microbatches' concatenated along dim 0, which needs the "
+                    "microbatch's rows there, or as their sum, mean, max, min, all or any where that reduction "
+                    "over the rows made it, as the model's last op on it. Return a value per row (a metric per "
+                    "sequence, say) or such a reduction of it, or return it in the loss")
+
+
+# Reductions that make an output of one microbatch's rows whose batch value the step makes from
+# the microbatches' by the same reduction (`ir.REDUCTIONS`), and the ops an output passes through
+# unchanged on its way out (the detach of an output beside the loss).
+_REDUCTIONS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.mean.default: "mean",
+               aten.mean.dim: "mean", aten.amax.default: "amax", aten.max.default: "amax",
+               aten.amin.default: "amin", aten.min.default: "amin", aten.all.default: "all", aten.all.dim: "all",
+               aten.all.dims: "all", aten.any.default: "any", aten.any.dim: "any", aten.any.dims: "any"}
+_UNCHANGED = {aten.detach.default, aten.alias.default}
+
+
+def _reduction_over_rows(node: fx.Node, rows: set[int]) -> str | None:
+    """The reduction (`ir.REDUCTIONS`) that made `node` over the rows of a value with a
+    microbatch's `rows` at dim 0 (among the dims it reduces: all of them, or a list with 0),
+    or None."""
+    while node.target in _UNCHANGED:
+        node = node.args[0]
+    how = _REDUCTIONS.get(node.target)
+    source = node.args[0] if how else None
+    val = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if not (isinstance(val, torch.Tensor) and val.dim() and val.shape[0] in rows):
+        return None
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or range(val.dim()))
+    return how if 0 in [d % val.dim() for d in dims] else None
 
 
 def _made_where(node: fx.Node) -> str:

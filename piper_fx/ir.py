@@ -69,6 +69,18 @@ class GraphOutput:
     # An OUTPUT the model made with a gradient: where it made it (`capture`). The step returns
     # it for reading, and refuses a gradient flowing back into it.
     made_at: str | None = None
+    # An OUTPUT without the microbatch's rows that a reduction over them made (a metric's mean, a
+    # count's sum): the reduction (`REDUCTIONS`) that makes the batch's from its microbatches'.
+    # None for an output of rows, whose microbatches' are concatenated along dim 0.
+    reduced_by: str | None = None
+
+
+# How the step makes an output a reduction over the batch's rows made (`GraphOutput.reduced_by`)
+# from its microbatches' values, stacked along a new dim 0: by the same reduction, along it (the
+# microbatches' means, of equal numbers of rows, average to the batch's).
+REDUCTIONS = {"sum": lambda stacked: stacked.sum(0), "mean": lambda stacked: stacked.mean(0),
+              "amax": lambda stacked: stacked.amax(0), "amin": lambda stacked: stacked.amin(0),
+              "all": lambda stacked: stacked.all(0), "any": lambda stacked: stacked.any(0)}
 
 
 class TaskKind(enum.Enum):
@@ -275,6 +287,8 @@ class RankProgram:
     accumulated: set[str]
     outputs: list[str]
     num_microbatches: int
+    # The per-microbatch outputs a reduction over the rows made, with it (`GraphOutput.reduced_by`).
+    reduced: dict[str, str] = field(default_factory=dict)
     # (peer, send tag) -> the tag of the receive from that peer whose arrival shows it has the
     # sent tensor (the first message the peer sends back after it waited for this one);
     # sends without one are known complete only when their backend says so, or at the end.
@@ -312,7 +326,8 @@ class RankProgram:
 
     def output_keys(self, name: str) -> list[tuple[str, int | None]]:
         """The keys the output `name` is handed back from: one a step, or one a microbatch
-        (a user's output beside the loss, which the runtime concatenates along dim 0)."""
+        (a user's output beside the loss, which the runtime concatenates along dim 0, or
+        reduces as `reduced` says)."""
         return [self.key(name, m) for m in ((None,) if name in self.per_step else range(self.num_microbatches))]
 
     def frees_after(self) -> list[list[tuple[str, int | None]]]:

@@ -356,20 +356,43 @@ def test_a_loss_returned_after_other_outputs_is_the_loss(microbatches):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_an_output_without_the_microbatchs_rows_is_refused_naming_where_it_is_made():
+def test_an_output_a_reduction_over_the_rows_made_is_the_batchs_from_its_microbatches():
     """With microbatches the step returns an output beside the loss as the microbatches'
-    concatenated: one of no rows (a count over the batch) has no such whole, and is refused."""
-    class Counts(ReturnsLogits):
+    concatenated, which needs the microbatch's rows at dim 0. One that a reduction over the
+    rows made (an accuracy's mean, a count's sum, a largest logit, whether every guess is
+    right) was refused: it is now the microbatches' reduced alike, as one call on the whole
+    batch returns it. One of no rows made otherwise (the count's square) has no such whole, and
+    is refused naming where the model made it."""
+    class Metrics(ReturnsLogits):
         def forward(self, x, y):
             loss, logits, right = super().forward(x, y)
-            return loss, right.sum()
+            return (loss, right.float().mean(), right.sum(), logits.amax(dim=(0, 1)), right.all(),
+                    logits.sum(0, keepdim=True))
 
-    x, y = torch.randn(4, 4), torch.tensor([0, 1, 2, 0])
-    with pytest.raises(PiperError, match=r"output 1 \(sum_1, made at test_backend.py:\d+ in forward "
-                                         r"\(return loss, right.sum\(\)\)\) has shape \(\) in a microbatch of \[2\] rows"):
-        torch.compile(Counts(), backend="piper", options={**EAGER, "pipeline": {"microbatches": 2}})(x, y)
+    class CountSquared(ReturnsLogits):
+        def forward(self, x, y):
+            loss, logits, right = super().forward(x, y)
+            return loss, right.sum() ** 2
+
+    torch.manual_seed(0)
+    model = Metrics()
+    x, y = torch.randn(8, 4), torch.tensor([0, 1, 2, 0, 1, 1, 2, 0])
+    expected = model(x, y)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            outputs = torch.compile(model, backend="piper", options={**EAGER, "pipeline": {"microbatches": 4}})(x, y)
+        for value, reference in zip(outputs, expected, strict=True):
+            assert value.dtype == reference.dtype and value.shape == reference.shape, (value, reference)
+            torch.testing.assert_close(value, reference.detach(), rtol=1e-6, atol=1e-7)
+        torch._dynamo.reset()
+    assert 0 < expected[1].item() < 1 and not expected[4]  # some guesses right, some not
+    x, y = x[:4], y[:4]
+    with pytest.raises(PiperError, match=r"output 1 \(pow_1, made at test_backend.py:\d+ in forward "
+                                         r"\(return loss, right.sum\(\) \*\* 2\)\) has shape \(\) in a "
+                                         r"microbatch of \[2\] rows"):
+        torch.compile(CountSquared(), backend="piper", options={**EAGER, "pipeline": {"microbatches": 2}})(x, y)
     torch._dynamo.reset()
-    loss, count = torch.compile(Counts(), backend="piper", options=EAGER)(x, y)  # one microbatch: as it is
+    loss, count = torch.compile(CountSquared(), backend="piper", options=EAGER)(x, y)  # one microbatch: as it is
     assert count.dim() == 0
 
 

@@ -75,6 +75,7 @@ def build_rank_programs(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
             accumulated=flow.accumulated,
             outputs=[o.name for o in dag.outputs],
             num_microbatches=strategy.microbatches,
+            reduced={o.name: o.reduced_by for o in dag.outputs if o.reduced_by},
         )
     _receive_in_send_order(dag.programs)
     _acknowledge_sends(dag.programs)

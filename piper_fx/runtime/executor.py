@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ..ir import Instruction, RankProgram, Recv, Run, Send
+from ..ir import REDUCTIONS, Instruction, RankProgram, Recv, Run, Send
 from . import failures
 from .memory import TaskPeak, storage_key, task_peak
 from .p2p import P2PBatch, Receiving, Sending, wire_tensor
@@ -188,12 +188,12 @@ class ProgramExecutor:
         self.slot_of: dict[Key, int] = {key: slot for slot, key in enumerate(self.keys)}
         slots = self.slot_of
         # Each output's slot: one a step, or for the user's outputs beside the loss, one a
-        # microbatch (concatenated along dim 0).
+        # microbatch (concatenated along dim 0, or stacked and reduced: `ir.REDUCTIONS`).
         self.output_slots: list[tuple[str, int]] = [
             (name, slots[listed[0]]) for name, listed in output_keys.items() if name in program.per_step]
-        self.microbatch_output_slots: list[tuple[str, list[int]]] = [
-            (name, [slots[key] for key in listed]) for name, listed in output_keys.items()
-            if name not in program.per_step]
+        self.microbatch_output_slots: list[tuple[str, list[int], Callable | None]] = [
+            (name, [slots[key] for key in listed], REDUCTIONS[program.reduced[name]] if name in program.reduced
+             else None) for name, listed in output_keys.items() if name not in program.per_step]
         self.drop_after: list[list[int]] = [[slots[key] for key in listed] for listed in drop_after]
         self.reads: list[list[int]] = [[slots[key] for key in listed] for listed in reads]
         self.results: dict[int, list[tuple[int, bool]]] = {
@@ -352,10 +352,10 @@ class ProgramExecutor:
                     send.batch.wait(send.message)
         held = values.held
         outputs = {name: held[slot] for name, slot in self.output_slots if held[slot] is not None}
-        for name, slots in self.microbatch_output_slots:  # a rank holds all of one's microbatches, or none
+        for name, slots, reduce in self.microbatch_output_slots:  # a rank holds all of one's microbatches, or none
             made = [held[slot] for slot in slots if held[slot] is not None]
             if made:
-                outputs[name] = made[0] if len(made) == 1 else torch.cat(made)
+                outputs[name] = made[0] if len(made) == 1 else reduce(torch.stack(made)) if reduce else torch.cat(made)
         return outputs, memory
 
     def _run_task(self, instruction: Run, values: Values, index: int) -> None:
