@@ -415,14 +415,18 @@ def _check_outputs_split_by_rows(joint: fx.GraphModule, inputs: list[GraphInput]
     """With microbatches, each output beside the loss has the microbatch's rows at dim 0, so that the
     microbatches' concatenated are the batch's, as one call on the whole batch returns it; or a
     reduction over those rows made it (`_reduction_over_rows`: an accuracy's mean, a count's sum),
-    which makes the batch's from the microbatches' (`GraphOutput.reduced_by`, set here)."""
+    which makes the batch's from the microbatches' (`GraphOutput.reduced_by`, set here); or it
+    reads no batch argument (a parameter's value), and is every microbatch's, the first's."""
     nodes = {n.name: n for n in joint.graph.nodes}
-    rows = {nodes[i.name].meta["val"].shape[0] for i in inputs
-            if i.role is InputRole.INPUT and nodes[i.name].meta["val"].dim()}
+    batch = [nodes[i.name] for i in inputs if i.role is InputRole.INPUT]
+    rows = {node.meta["val"].shape[0] for node in batch if node.meta["val"].dim()}
     for output in outputs:
         val = nodes[output.name].meta.get("val")
-        if output.role is OutputRole.OUTPUT and isinstance(val, torch.Tensor) and (
-                val.dim() == 0 or val.shape[0] not in rows):
+        if output.role is not OutputRole.OUTPUT or not isinstance(val, torch.Tensor):
+            continue
+        if not _reads_any(nodes[output.name], set(batch)):
+            output.reduced_by = "first"
+        elif val.dim() == 0 or val.shape[0] not in rows:
             output.reduced_by = _reduction_over_rows(nodes[output.name], rows)
             if output.reduced_by is None:
                 raise PiperError(
@@ -443,6 +447,18 @@ _REDUCTIONS = {aten.sum.default: "sum", aten.sum.dim_IntList: "sum", aten.mean.d
                aten.amin.default: "amin", aten.min.default: "amin", aten.all.default: "all", aten.all.dim: "all",
                aten.all.dims: "all", aten.any.default: "any", aten.any.dim: "any", aten.any.dims: "any"}
 _UNCHANGED = {aten.detach.default, aten.alias.default}
+
+
+def _reads_any(node: fx.Node, sources: set[fx.Node]) -> bool:
+    """Whether `node` is one of `sources`, or reads one of them through the ops that made it."""
+    seen, todo = {node}, [node]
+    while todo:
+        node = todo.pop()
+        if node in sources:
+            return True
+        todo += [read for read in node.all_input_nodes if read not in seen]
+        seen.update(node.all_input_nodes)
+    return False
 
 
 def _reduction_over_rows(node: fx.Node, rows: set[int]) -> str | None:

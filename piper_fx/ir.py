@@ -70,17 +70,20 @@ class GraphOutput:
     # it for reading, and refuses a gradient flowing back into it.
     made_at: str | None = None
     # An OUTPUT without the microbatch's rows that a reduction over them made (a metric's mean, a
-    # count's sum): the reduction (`REDUCTIONS`) that makes the batch's from its microbatches'.
-    # None for an output of rows, whose microbatches' are concatenated along dim 0.
+    # count's sum): the reduction (`REDUCTIONS`) that makes the batch's from its microbatches';
+    # "first" for one that reads no batch argument (every microbatch's alike). None for an
+    # output of rows, whose microbatches' are concatenated along dim 0.
     reduced_by: str | None = None
 
 
 # How the step makes an output a reduction over the batch's rows made (`GraphOutput.reduced_by`)
 # from its microbatches' values, stacked along a new dim 0: by the same reduction, along it (the
-# microbatches' means, of equal numbers of rows, average to the batch's).
+# microbatches' means, of equal numbers of rows, average to the batch's); and one that reads no
+# batch argument, the first microbatch's.
 REDUCTIONS = {"sum": lambda stacked: stacked.sum(0), "mean": lambda stacked: stacked.mean(0),
               "amax": lambda stacked: stacked.amax(0), "amin": lambda stacked: stacked.amin(0),
-              "all": lambda stacked: stacked.all(0), "any": lambda stacked: stacked.any(0)}
+              "all": lambda stacked: stacked.all(0), "any": lambda stacked: stacked.any(0),
+              "first": lambda stacked: stacked[0]}
 
 
 class TaskKind(enum.Enum):

@@ -361,13 +361,14 @@ def test_an_output_a_reduction_over_the_rows_made_is_the_batchs_from_its_microba
     concatenated, which needs the microbatch's rows at dim 0. One that a reduction over the
     rows made (an accuracy's mean, a count's sum, a largest logit, whether every guess is
     right) was refused: it is now the microbatches' reduced alike, as one call on the whole
-    batch returns it. One of no rows made otherwise (the count's square) has no such whole, and
+    batch returns it; one that reads no batch argument (a sum of a weight), any microbatch's.
+    One of no rows made otherwise (the count's square) has no such whole, and
     is refused naming where the model made it."""
     class Metrics(ReturnsLogits):
         def forward(self, x, y):
             loss, logits, right = super().forward(x, y)
             return (loss, right.float().mean(), right.sum(), logits.amax(dim=(0, 1)), right.all(),
-                    logits.sum(0, keepdim=True))
+                    logits.sum(0, keepdim=True), self.fc.weight.sum())
 
     class CountSquared(ReturnsLogits):
         def forward(self, x, y):
