@@ -24,9 +24,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import plan_cache
 from .arguments import batch_key, check_batches_agree, check_one_device
 from .compiled_holdings import pipeline_readers, record_compiled_holdings, release_other_stages
-from .capture import batch_shapes, capture, keep_input_sources, return_arguments_themselves, symbolic_inputs
+from .capture import (batch_shapes, capture, keep_input_sources, reads_state, return_arguments_themselves,
+                      symbolic_inputs)
 from .codegen import compile_program, fewest_regions, prepare, warm_up
-from .compat import dynamo_trace_seconds
+from .compat import compile_fx, dynamo_trace_seconds
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
 from .ir import HELD_ROLES, InputRole, TrainingDAG
@@ -178,15 +179,24 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     """Dynamo's backend: validates the options (on all ranks together, but at a recompile of a
     model compiled before: `_compiled_before`) and the compiled arguments, starts the code
     generator's warm-up, and returns the step, which plans and compiles itself on its first
-    call (`DeferredStep`)."""
+    call (`DeferredStep`).
+
+    A graph that reads no parameter or buffer (`reads_state`: batch preprocessing that a graph
+    break cut off the model, as ProphetNet's decoder inputs, shifted and asserted on with
+    `.item()`; a loss function compiled alone) has nothing for the strategy to lay out, reduce
+    or pipeline: every rank runs it whole, as the code around torch.distributed.pipelining's
+    stages runs, with the options' code generator (Inductor, as `torch.compile` compiles it)."""
     stats = CompileStats(dynamo_trace_s=dynamo_trace_seconds())
     keep_input_sources(gm)  # which inputs are buffers: Dynamo forgets once it is done with the frame
-    themselves = return_arguments_themselves(gm)  # a buffer an out= op wrote, which Dynamo's code sets again
     # The compiled call's arguments as the step sees them: the parameters where Dynamo traced
     # their program placeholders (`dtensor_params`; capture and the plan's key read those
     # as such). The step stands them in on every call.
     arguments = [stood_for(t) for t in example_inputs]
     strategy = parse_options_on_all_ranks(options, recompile=_compiled_before(arguments))
+    if not reads_state(gm, arguments):
+        DebugDump(strategy.debug_dir, strategy.rank).write("00_dynamo_graph.py", gm.print_readable(print_output=False))
+        return gm.forward if strategy.codegen == "eager" else compile_fx(gm, example_inputs)
+    themselves = return_arguments_themselves(gm)  # a buffer an out= op wrote, which Dynamo's code sets again
     check_prepared(strategy, arguments, example_inputs)
     device = check_one_device(arguments)
     dump = DebugDump(strategy.debug_dir, strategy.rank)  # named by Dynamo's compile id, known only now

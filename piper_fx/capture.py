@@ -91,6 +91,15 @@ def _fqn_from_source(node: fx.Node) -> tuple[str | None, bool]:
     return (fqn or None), is_buffer
 
 
+def reads_state(gm: fx.GraphModule, arguments: list) -> bool:
+    """Whether Dynamo's graph `gm`, called with `arguments` (the parameters in place of their
+    program placeholders), reads a parameter or a buffer of the model (`keep_input_sources`
+    first): one that reads neither has nothing for a strategy to lay out, reduce or pipeline."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    return any(isinstance(argument, nn.Parameter) or sharded_parameter_info(argument) is not None
+               for argument in arguments) or any(_fqn_from_source(node)[1] for node in placeholders)
+
+
 def _input_role(example: object, is_buffer: bool) -> InputRole:
     if sharded_parameter_info(example) is not None:
         return InputRole.PARAM_SHARD

@@ -66,6 +66,8 @@ from torch._dynamo.utils import compilation_time_metrics as _dynamo_timings
 # the planned order of collectives), and its collective bucketing passes.
 from torch._inductor import config as inductor_config  # noqa: F401
 from torch._inductor.compile_fx import compile_fx_inner  # noqa: F401
+# Inductor on a whole Dynamo graph, as `torch.compile`'s default backend compiles it.
+from torch._inductor.compile_fx import compile_fx  # noqa: F401
 # Which vector ISA Inductor's C++ code builds for, probed once per process (cached), and
 # each ISA's own check (`bool(isa)`, cached per ISA), with the ISAs this x86 CPU claims.
 from torch._inductor.cpu_vec_isa import supported_vec_isa_list, valid_vec_isa_list, x86_isa_checker  # noqa: F401

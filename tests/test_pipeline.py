@@ -86,6 +86,26 @@ def test_a_pipeline_traced_at_a_fixed_batch_size_says_how_to_make_it_symbolic():
         assert "at the size of one microbatch" in message and "torch._dynamo.mark_dynamic(x, 0)" in message, message
 
 
+def _stateless_worker(rank: int, world: int, codegen: str) -> list:
+    """What a function that reads no parameter or buffer returns on this pipeline rank."""
+    options = {"mesh": {"pp": world}, "pipeline": {"schedule": "1f1b", "microbatches": 2}, "codegen": codegen}
+    ids = torch.arange(8).view(2, 4)
+    shifted = torch.compile(lambda ids: (ids.roll(1, -1) * 2, (ids > 0).all()), backend="piper", options=options)
+    return [None if value is None else value.tolist() for value in shifted(ids)]
+
+
+def test_a_graph_that_reads_no_parameter_runs_whole_on_every_pipeline_rank():
+    """Batch preprocessing a graph break cut off the model (ProphetNet's decoder inputs, shifted
+    and asserted on with `.item()`) has nothing to pipeline. Its ops were split into stages
+    all the same: under eager code rank 0 returned the shifted ids and rank 1 the assert's
+    value, each None for the other, and Dynamo's code then read `.item()` of None; under
+    Inductor the value's conversion was refused as an output without rows. Every rank now
+    runs it whole, as the code around torch.distributed.pipelining's stages runs."""
+    expected = [[[6, 0, 2, 4], [14, 8, 10, 12]], False]
+    for codegen in ("eager", "inductor"):
+        assert run_ranks(_stateless_worker, 2, codegen) == [expected, expected], codegen
+
+
 def test_four_rank_gpipe_1f1b_zb1p_and_zbv():
     configs = [{"options": _pp(4, s, 4), "pp_regions": True, "n_layer": 4, "per_rank_batch": 4}
                for s in ("gpipe", "1f1b", "zb1p")]
