@@ -25,7 +25,7 @@ from . import plan_cache
 from .arguments import batch_key, check_batches_agree, check_one_device
 from .compiled_holdings import pipeline_readers, record_compiled_holdings, release_other_stages
 from .capture import (batch_shapes, capture, keep_input_sources, reads_state, return_arguments_themselves,
-                      symbolic_inputs)
+                      returned_numbers, symbolic_inputs)
 from .codegen import compile_program, fewest_regions, prepare, warm_up
 from .compat import compile_fx, dynamo_trace_seconds
 from .compile_stats import CompileStats, record
@@ -395,6 +395,7 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
         specs=specs,
         placeholders=placeholders,
         themselves=themselves,
+        numbers=returned_numbers(gm, example_inputs),
     )
 
 

@@ -212,6 +212,30 @@ def _is_batch_argument(node: fx.Node, example: object) -> bool:
     return not isinstance(stood_for(example), nn.Parameter) and not _fqn_from_source(node)[1]
 
 
+def returned_numbers(gm: fx.GraphModule, example_inputs: list) -> list[tuple[int, object]]:
+    """The outputs of Dynamo's graph `gm` that are numbers, not tensors, each (output index,
+    value) as one call with `example_inputs` (the call's sizes) returns it: a size Dynamo made
+    symbolic, kept on an object the forward returns (a Hugging Face cache layer's length).
+    The joint graph, traced at static microbatch sizes, returns them as constants of a
+    microbatch's, which the step does not hand back (`_describe_outputs`); it returns these."""
+    sizes = {_symbol(node.meta.get("example_value", example)): example.node.hint
+             if isinstance(example, torch.SymInt) else example
+             for node, example in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)
+             if _is_size_input(node, example)}
+    numbers = []
+    for index, node in enumerate(_returned(gm)):
+        value = node.meta.get("example_value") if isinstance(node, fx.Node) else node
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            number = value.node.expr.xreplace(sizes)
+            if getattr(number, "free_symbols", None):
+                raise PiperError(f"the model's output {index} ({_made_where(node)}) is a number of sizes piper_fx "
+                                 f"does not know ({value.node.expr}): return it as a tensor")
+            value = {torch.SymInt: int, torch.SymFloat: float, torch.SymBool: bool}[type(value)](number)
+        if isinstance(value, (int, float, bool)):
+            numbers.append((index, value))
+    return numbers
+
+
 def _symbol(size: object):
     """The expression of a symbolic size (a SymInt), or None for a plain int."""
     return size.node.expr if isinstance(size, torch.SymInt) else None
@@ -331,7 +355,7 @@ def _describe_outputs(output_node: fx.Node, arg_indices: list[int], loss: int | 
     outputs: list[GraphOutput] = []
     kept: list[fx.Node] = []
     for value, desc in zip(output_node.args[0], output_node.meta["desc"]):
-        if value is None:
+        if not isinstance(value, fx.Node):  # None, or a number the step returns (`returned_numbers`)
             continue
         if isinstance(desc, aot_desc.PlainAOTOutput):
             role = OutputRole.LOSS if desc.idx == loss else OutputRole.OUTPUT

@@ -397,6 +397,31 @@ def test_an_output_a_reduction_over_the_rows_made_is_the_batchs_from_its_microba
     assert count.dim() == 0
 
 
+def test_a_number_among_the_outputs_is_the_calls():
+    """Found with Hugging Face's Gemma 2 compiled itself, its cache on: its sliding-window cache
+    keeps its length, a size Dynamo made symbolic once a call changed the sequence's length,
+    and Dynamo's graph returns it as a number. Traced at static microbatch sizes, the joint
+    graph had it as a constant, and capture failed on it ("'int' object has no attribute
+    'name'"). The step returns it at the call's sizes, as one call on the whole batch does
+    (`capture.returned_numbers`), though the program runs microbatches."""
+    class CountsTokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.fc(x).flatten(0, 1), y.flatten()), x.shape[0] * x.shape[1]
+
+    torch.manual_seed(0)
+    model = CountsTokens()
+    step = torch.compile(model, backend="piper", options={**EAGER, "pipeline": {"microbatches": 2}})
+    for tokens in (5, 7, 6):  # a second length makes the tokens' dimension symbolic
+        x, y = torch.randn(4, tokens, 4), torch.randint(0, 3, (4, tokens))
+        loss, count = step(x, y)
+        torch.testing.assert_close(loss, model(x, y)[0], rtol=1e-6, atol=0)
+        assert count == 4 * tokens, (tokens, count)
+
+
 def test_debug_dumps_show_every_stage(tmp_path):
     model = _model()
     step = torch.compile(model, backend="piper", options={**EAGER, "debug_dir": str(tmp_path)})

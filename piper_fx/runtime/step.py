@@ -164,7 +164,8 @@ class CompiledStep:
                  num_user_outputs: int,
                  batch_shapes: dict[int, tuple[int, ...]], dump: DebugDump | None = None,
                  randomness: StepRandomness | None = None, specs: dict[int, DTensorSpec] | None = None,
-                 placeholders: Mapping[int, bool] | None = None, themselves: Sequence[tuple[int, int]] = ()):
+                 placeholders: Mapping[int, bool] | None = None, themselves: Sequence[tuple[int, int]] = (),
+                 numbers: Sequence[tuple[int, object]] = ()):
         self.executor = executor
         self.randomness = randomness  # feeds the graph's random ops (`InputRole.RNG`), if it has any
         self.dump = dump
@@ -204,6 +205,9 @@ class CompiledStep:
         # The outputs that are an argument itself, (output index, argument index): Dynamo's graph
         # returns None there (`capture.return_arguments_themselves`), and the step the argument.
         self.themselves = list(themselves)
+        # The outputs that are numbers, (output index, value) at this step's sizes: the program
+        # returns none (`capture.returned_numbers`).
+        self.numbers = list(numbers)
         # Which output is the loss (`capture.loss_index`; None in inference without one).
         self.loss_index = next((o.index for o in self.outputs if o.role is OutputRole.LOSS), None)
         # The outputs beside the loss that the model made with a gradient: (index, where made).
@@ -341,10 +345,12 @@ class CompiledStep:
                 user_outputs, _ = self.run_program(arguments)
         else:
             user_outputs = _StepFunction.apply(self, *arguments)
-        if self.themselves:  # Dynamo's own arguments: its code sets them on their modules again
+        if self.themselves or self.numbers:  # what the program does not return
             user_outputs = list(user_outputs)
-            for index, argument in self.themselves:
+            for index, argument in self.themselves:  # Dynamo's own: its code sets them on their modules again
                 user_outputs[index] = args[argument]
+            for index, number in self.numbers:
+                user_outputs[index] = number
         return tuple(user_outputs)
 
 
