@@ -925,7 +925,8 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     for each replica (each rank pads its batch to its own longest row): then against one copy
     stepping on the mean of the replicas' losses, as DDP trains on them. With `itself`, the
     compiled module is the model itself, called with keywords and returning its `ModelOutput`
-    (with no key and value cache, `without_cache`), whose loss trains."""
+    (with its key and value cache on, as its config has it: Dynamo returns the cache's tensors
+    before the loss), whose loss trains."""
     build = HUGGING_FACE.get(name) or EAGER_CODE_ONLY[name]
     torch.manual_seed(0)
     reference = build()
@@ -942,8 +943,6 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     mesh = options.get("mesh", {})
     dp = mesh.get("dp", world // mesh.get("pp", 1))
     compiled = LossOf(model) if mesh.get("pp", 1) > 1 and not itself else None
-    if itself:
-        without_cache(model)
     piper_fx.prepare(compiled or model, options)
     if on_meta:  # the module prepare laid out, which keeps tied parameters tied (`laid_out_on_meta`)
         materialize_as(compiled or model, LossOf(source) if compiled else source)
