@@ -24,14 +24,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import plan_cache
 from .arguments import batch_key, check_batches_agree, check_one_device
 from .compiled_holdings import pipeline_readers, record_compiled_holdings, release_other_stages
-from .capture import (batch_shapes, capture, keep_input_sources, reads_state, return_arguments_themselves,
-                      returned_numbers, symbolic_inputs)
+from .capture import batch_shapes, call_sizes, capture, keep_input_sources, reads_state, symbolic_inputs
 from .codegen import compile_program, fewest_regions, prepare, warm_up
 from .compat import compile_fx, dynamo_trace_seconds
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
 from .ir import HELD_ROLES, InputRole, TrainingDAG
 from .options import Strategy, parse_options_on_all_ranks
+from .outputs import return_arguments_themselves, returned_numbers
 from .passes import dump_path, run_passes
 from .passes.functionalize_random import step_randomness
 from .philox import attach_stream, stream_of
@@ -395,7 +395,7 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
         specs=specs,
         placeholders=placeholders,
         themselves=themselves,
-        numbers=returned_numbers(gm, example_inputs),
+        numbers=returned_numbers(gm, call_sizes(gm, example_inputs)),
     )
 
 

@@ -46,7 +46,7 @@ HELD_ROLES = (InputRole.PARAM, InputRole.PARAM_SHARD, InputRole.BUFFER)
 
 
 class OutputRole(enum.Enum):
-    LOSS = "loss"          # the user output that is the replica's loss (`capture.loss_index`)
+    LOSS = "loss"          # the user output that is the replica's loss (`outputs.loss_index`)
     OUTPUT = "output"      # any other user output, per microbatch (no gradient flows back through it)
     GRAD = "grad"          # gradient of a graph input
     MUTATION = "mutation"  # new value of an input mutated in place (e.g. BatchNorm stats)

@@ -308,7 +308,7 @@ def test_inference_returns_a_first_output_of_rows_as_one_call_on_the_whole_batch
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_a_loss_returned_after_other_outputs_is_the_loss(microbatches):
     """The loss is the model's first floating-point scalar that requires grad, wherever it is
-    among its outputs (`capture.loss_index`); it was refused unless first. A model returning its
+    among its outputs (`outputs.loss_index`); it was refused unless first. A model returning its
     logits, then its loss, trains, its outputs in their order; so does Hugging Face's Llama
     compiled itself with its key and value cache on (as its config has it), whose tensors
     Dynamo returns before the loss: the cache comes back with the model's keys and values."""
@@ -403,7 +403,7 @@ def test_a_number_among_the_outputs_is_the_calls():
     and Dynamo's graph returns it as a number. Traced at static microbatch sizes, the joint
     graph had it as a constant, and capture failed on it ("'int' object has no attribute
     'name'"). The step returns it at the call's sizes, as one call on the whole batch does
-    (`capture.returned_numbers`), though the program runs microbatches."""
+    (`outputs.returned_numbers`), though the program runs microbatches."""
     class CountsTokens(torch.nn.Module):
         def __init__(self):
             super().__init__()

@@ -182,7 +182,7 @@ def test_buffers_an_out_op_writes_stay_the_modules(rank_pools):
     buffers with out= ops and sets them on its module again (`self._u = F.normalize(...,
     out=self._u)`), and Dynamo's graph returns them for its code to set. The step returned None
     there, the modules' buffers became None, and the next call broke Dynamo's graph (refused as
-    a graph break). The step now returns the buffer itself (`capture.return_arguments_themselves`),
+    a graph break). The step now returns the buffer itself (`outputs.return_arguments_themselves`),
     updated in place: each module keeps the buffers it has, and trains as one process does,
     microbatch by microbatch in a pipeline."""
     cases = [(1, {"codegen": "inductor"}), (2, {"codegen": "eager", "zero": 3}),

@@ -203,12 +203,12 @@ class CompiledStep:
         self.user_outputs = [(o.name, o.index, o.role is OutputRole.LOSS) for o in self.outputs
                              if o.role in (OutputRole.LOSS, OutputRole.OUTPUT)]
         # The outputs that are an argument itself, (output index, argument index): Dynamo's graph
-        # returns None there (`capture.return_arguments_themselves`), and the step the argument.
+        # returns None there (`outputs.return_arguments_themselves`), and the step the argument.
         self.themselves = list(themselves)
         # The outputs that are numbers, (output index, value) at this step's sizes: the program
-        # returns none (`capture.returned_numbers`).
+        # returns none (`outputs.returned_numbers`).
         self.numbers = list(numbers)
-        # Which output is the loss (`capture.loss_index`; None in inference without one).
+        # Which output is the loss (`outputs.loss_index`; None in inference without one).
         self.loss_index = next((o.index for o in self.outputs if o.role is OutputRole.LOSS), None)
         # The outputs beside the loss that the model made with a gradient: (index, where made).
         self.attached = {o.index: o.made_at for o in self.outputs if o.role is OutputRole.OUTPUT and o.made_at}
