@@ -26,12 +26,12 @@ from .arguments import batch_key, check_batches_agree, check_one_device
 from .compiled_holdings import pipeline_readers, record_compiled_holdings, release_other_stages
 from .capture import batch_shapes, call_sizes, capture, keep_input_sources, reads_state, symbolic_inputs
 from .codegen import compile_program, fewest_regions, prepare, warm_up
-from .compat import compile_fx, dynamo_trace_seconds
+from .compat import compile_fx, dynamo_trace_seconds, maybe_mark_dynamic
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
 from .ir import HELD_ROLES, InputRole, TrainingDAG
 from .options import Strategy, parse_options_on_all_ranks
-from .outputs import return_arguments_themselves, returned_numbers
+from .outputs import flat_returns, return_arguments_themselves, returned_numbers
 from .passes import dump_path, run_passes
 from .passes.functionalize_random import step_randomness
 from .philox import attach_stream, stream_of
@@ -175,6 +175,31 @@ def _batches_compiled_for(arguments: list) -> set[tuple] | None:
     return next((_COMPILED[t] for t in arguments if isinstance(t, torch.Tensor) and t in _COMPILED), None)
 
 
+def _whole_on_every_rank(gm: fx.GraphModule, example_inputs: list, strategy: Strategy) -> Callable:
+    """A graph that reads no parameter or buffer (`reads_state`), as Dynamo traced it or compiled
+    by Inductor as `torch.compile` compiles it, run whole.
+
+    Each size Dynamo made symbolic in a tensor it returns stays dynamic where that tensor goes
+    on: the graph after a break takes it as an argument of the model's (ProphetNet's shifted
+    decoder inputs), which Dynamo would see at a fixed size, as the first call's. The batch's
+    size then reaches the model's graph as a SymInt, as `prepare` marks it on the module's
+    arguments, so that a pipeline's can be traced at microbatch size (`capture`)."""
+    run = gm.forward if strategy.codegen == "eager" else compile_fx(gm, example_inputs)
+    values = [node.meta.get("example_value") if isinstance(node, fx.Node) else None for node in flat_returns(gm)]
+    dynamic = [(index, [dim for dim, size in enumerate(value.shape) if isinstance(size, torch.SymInt)])
+               for index, value in enumerate(values) if isinstance(value, torch.Tensor)]
+    dynamic = [(index, dims) for index, dims in dynamic if dims]
+    if not dynamic:
+        return run
+
+    def run_keeping_sizes_dynamic(*args):
+        returned = run(*args)
+        for index, dims in dynamic:
+            maybe_mark_dynamic(returned[index], dims)
+        return returned
+    return run_keeping_sizes_dynamic
+
+
 def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None):
     """Dynamo's backend: validates the options (on all ranks together, but at a recompile of a
     model compiled before: `_compiled_before`) and the compiled arguments, starts the code
@@ -195,7 +220,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     strategy = parse_options_on_all_ranks(options, recompile=_compiled_before(arguments))
     if not reads_state(gm, arguments):
         DebugDump(strategy.debug_dir, strategy.rank).write("00_dynamo_graph.py", gm.print_readable(print_output=False))
-        return gm.forward if strategy.codegen == "eager" else compile_fx(gm, example_inputs)
+        return _whole_on_every_rank(gm, example_inputs, strategy)
     themselves = return_arguments_themselves(gm)  # a buffer an out= op wrote, which Dynamo's code sets again
     check_prepared(strategy, arguments, example_inputs)
     device = check_one_device(arguments)

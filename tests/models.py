@@ -320,6 +320,25 @@ class ContrastiveTowers(nn.Module):
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
 
 
+class ChecksItsTargets(nn.Module):
+    """An MLP whose targets are made and checked with `.item()` before its layers read them, as
+    ProphetNet shifts its decoder's inputs and asserts on them: the graph break leaves the
+    check a graph of its own, which reads no parameter, and the layers' graph takes the value
+    it made as an argument, and reads its size (as ProphetNet expands values to its batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, 1)
+        self.offset = nn.Parameter(torch.full((1, 1), 0.5))
+
+    def forward(self, x, y):
+        target = torch.tanh(y) * 2
+        if not torch.isfinite(target).all().item():  # Dynamo breaks its graph at `.item()`
+            raise ValueError("the targets must be finite")
+        offset = self.offset.expand(target.shape[0], -1)
+        return F.mse_loss(self.out(F.gelu(self.fc(x))) + offset, target)
+
+
 class ConvNet(nn.Module):
     """A small image classifier: convolutions, a `BatchNorm2d` (running statistics it mutates;
     with `batch_norm=False` a `GroupNorm`), a `GroupNorm`, max and average pooling, on

@@ -210,3 +210,20 @@ def test_a_loss_that_mixes_rows_is_each_replicas_as_under_ddp(rank_pools):
             result = outcome["value"]
             assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
             assert max(result["errors"].values()) < 1e-5, (options, rank, result["errors"])
+
+
+def test_a_value_made_before_a_graph_break_keeps_the_batchs_symbolic_size(rank_pools):
+    """Found with ProphetNet, which shifts its decoder's inputs and asserts on them with
+    `.item()` before its layers: the graph after the break took the shifted values at the
+    first call's fixed size, and with microbatches it could not be traced at a microbatch's
+    (refused, asking to mark the batch dynamic, which `prepare` had: on the module's arguments).
+    The graph before the break, which reads no parameter and runs whole, now marks the sizes
+    Dynamo made symbolic in what it returns dynamic, as `prepare` marks its arguments'."""
+    cases = [(2, {"codegen": "eager", "zero": 3, "pipeline": {"microbatches": 2}}),
+             (2, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}, "codegen": "inductor"})]
+    for world, options in cases:
+        for rank, outcome in enumerate(rank_pools(world).run(local_rows_worker, options, "checks_targets")):
+            assert "error" not in outcome, (options, rank, outcome.get("error"))
+            result = outcome["value"]
+            assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
+            assert max(result["errors"].values()) < 1e-5, (options, rank, result["errors"])

@@ -861,12 +861,15 @@ def local_rows_worker(rank: int, world: int, options: dict, model: str = "batch_
     every parameter and buffer (`full_state_dict`'s, on every rank), and whether the model
     holds the buffer objects it started with. `model`: "batch_norm" (`models.BatchNormMLP`),
     "conv" (`models.ConvNet`), "conv_group_norm" (its group norm in place of the batch norm),
-    "spectral_norm" (`models.SpectralNormMLP`) or "contrastive" (`models.ContrastiveTowers`)."""
-    from models import BatchNormMLP, ContrastiveTowers, ConvNet, SpectralNormMLP, batch, conv_batch
+    "spectral_norm" (`models.SpectralNormMLP`) or "contrastive" (`models.ContrastiveTowers`); and
+    "checks_targets" (`models.ChecksItsTargets`, a graph break before its layers), whose rows
+    are independent, for which that copy is one process on the global batch."""
+    from models import BatchNormMLP, ChecksItsTargets, ContrastiveTowers, ConvNet, SpectralNormMLP, batch, conv_batch
 
     build, batch = {"batch_norm": (BatchNormMLP, batch), "conv": (ConvNet, conv_batch),
                     "conv_group_norm": (functools.partial(ConvNet, False), conv_batch),
-                    "spectral_norm": (SpectralNormMLP, batch), "contrastive": (ContrastiveTowers, batch)}[model]
+                    "spectral_norm": (SpectralNormMLP, batch), "contrastive": (ContrastiveTowers, batch),
+                    "checks_targets": (ChecksItsTargets, batch)}[model]
     torch.manual_seed(0)
     model, reference = build(), build()
     buffers = dict(model.named_buffers())
