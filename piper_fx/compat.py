@@ -84,6 +84,12 @@ trace_bucket = bucketing._trace
 takes_cast = bucketing.has_mergeable_all_gather_convert_dtype
 sort_bucket_region = getattr(bucketing, "_sort_bucket_region", lambda graph, new_nodes, inputs: None)
 from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: F401
+# A post-grad pass of ours inside Inductor (its FX graph cache keyed by the pass's `uuid`), and
+# Inductor's way to keep an order its scheduler would change: `control_deps` on each node after
+# the one it must follow, as Inductor chains random ops under `fallback_random`.
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files  # noqa: F401
+from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering  # noqa: F401
+from torch.utils._ordered_set import OrderedSet  # noqa: F401
 # DTensor's sharding propagation on one op (placements of an FX node from its inputs').
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
 from torch.distributed.tensor._op_schema import OpSchema  # noqa: F401

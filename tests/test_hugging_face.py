@@ -294,3 +294,17 @@ def test_a_multi_output_op_at_a_stage_boundary_stays_with_its_parts():
     multi-output op now takes its op's stage."""
     options = {"mesh": {"pp": 2}, "codegen": "eager", "pipeline": {"schedule": "dualpipev", "microbatches": 4}}
     _check_parity(run_ranks(hf_parity_worker, 2, "opt", options, 3, 4, deadline_s=400), param_error=1e-5)
+
+
+def test_replicas_of_different_lengths_issue_their_collectives_in_one_order_under_inductor():
+    """Gemma 2 under ZeRO-3 with Inductor, a bucket per parameter, each replica's batch padded
+    to its own longest row (found by the search above): rank 0 compiled a step for 4 tokens
+    while rank 1 ran its step for 8. Inductor's scheduler, sorting the nodes again after the
+    fusions it chose for each size, had moved a parameter's gather past 14 gradients'
+    reduce-scatters in one and not the other, and the ranks stopped, each waiting on a
+    collective the other had not issued. The compiled code now issues every task's
+    collectives in the task graph's order (`codegen.inductor.KeepCollectiveOrder`)."""
+    options = {"codegen": "inductor", "bucket_mb": 0.001, "overlap": False, "zero": 3}
+    lengths = [[LLAMA_SEQ, LLAMA_SEQ], [LLAMA_SEQ - 4, LLAMA_SEQ], [LLAMA_SEQ, LLAMA_SEQ - 4]]
+    _check_parity(run_ranks(hf_parity_worker, 2, "gemma2", options, 3, 4, False, False, False, lengths,
+                            deadline_s=400, collective_timeout_s=60), param_error=1e-5)

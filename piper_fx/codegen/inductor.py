@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from ..compat import (TracingContext, check_vec_isa, compile_fx_inner, inductor_cache_dir, inductor_config,
+from ..compat import (CustomGraphPass, OrderedSet, TracingContext, check_vec_isa, compile_fx_inner,
+                      get_hash_for_files, inductor_cache_dir, inductor_config, preserve_node_ordering,
                       supported_vec_isa_list, tracing, valid_vec_isa_list, x86_isa_checker)
 from ..ir import Task, is_dense
 from ..ops import WAIT, collective_kind
@@ -128,6 +129,34 @@ def name_by_position(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+class KeepCollectiveOrder(CustomGraphPass):
+    """Inductor's last post-grad pass on a task with collectives: each collective depends on
+    the one issued before it (`control_deps`), so that the compiled code issues them in the
+    task graph's order. The ranks of a group must issue their collectives in one order (gloo
+    and NCCL match them by it), and Inductor's scheduler moves one where a fusion pulls it
+    (after fusing it sorts the nodes again, from each fused node's inputs): which fusions it
+    makes depends on the sizes, so replicas called with batches of different sizes (each
+    padded to its own longest row, as DDP allows) issued a ZeRO-3 model's gathers in different
+    orders, and stopped. Waits are left where the overlap policy put them. `then`: a post-grad
+    pass the user set (`inductor_config.post_grad_custom_post_pass`), run first."""
+
+    def __init__(self, then=None):
+        self.then = then
+
+    def __call__(self, graph: fx.Graph) -> None:
+        if self.then is not None:
+            self.then(graph)
+        issued = [node for node in graph.nodes if collective_kind(node) is not None]
+        preserve_node_ordering(graph, {after: OrderedSet([before]) for before, after in zip(issued, issued[1:])})
+
+    def uuid(self):
+        mine = get_hash_for_files((__file__,))
+        if self.then is None:
+            return mine
+        theirs = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
+        return None if theirs is None else (mine, theirs)  # no uuid: Inductor does not cache
+
+
 def compile_task(task: Task, time_waits: bool = False):
     name_by_position(task.graph)
     example_inputs = _fake_inputs(task)
@@ -140,8 +169,10 @@ def compile_task(task: Task, time_waits: bool = False):
     # them were compiled for: Inductor's layout optimization would make a convolution's output
     # channels-last in the task that computes it and not in the one that reads it, compiled apart
     # (torch.compile compiles a backward after its forward, for the strides the forward made).
+    ordered = {"post_grad_custom_post_pass": KeepCollectiveOrder(inductor_config.post_grad_custom_post_pass)} \
+        if has_collectives else {}
     with tracing(TracingContext(fake_mode)), inductor_config.patch(reorder_for_peak_memory=not has_collectives,
-                                                                   layout_optimization=False):
+                                                                   layout_optimization=False, **ordered):
         compiled = compile_fx_inner(task.graph, example_inputs)
     source = getattr(compiled, "source_code", None) or task.graph.code
     compiled = _laying_out_inputs(compiled, example_inputs)
