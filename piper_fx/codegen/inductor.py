@@ -137,24 +137,23 @@ class KeepCollectiveOrder(CustomGraphPass):
     (after fusing it sorts the nodes again, from each fused node's inputs): which fusions it
     makes depends on the sizes, so replicas called with batches of different sizes (each
     padded to its own longest row, as DDP allows) issued a ZeRO-3 model's gathers in different
-    orders, and stopped. Waits are left where the overlap policy put them. `then`: a post-grad
-    pass the user set (`inductor_config.post_grad_custom_post_pass`), run first."""
+    orders, and stopped. Waits are left where the overlap policy put them. `then`: the
+    post-grad passes the user set (`inductor_config.post_grad_custom_post_pass`), run first."""
 
     def __init__(self, then=None):
-        self.then = then
+        self.then = tuple(then) if isinstance(then, (list, tuple)) else (then,) if then is not None else ()
 
     def __call__(self, graph: fx.Graph) -> None:
-        if self.then is not None:
-            self.then(graph)
+        for theirs in self.then:
+            theirs(graph)
         issued = [node for node in graph.nodes if collective_kind(node) is not None]
         preserve_node_ordering(graph, {after: OrderedSet([before]) for before, after in zip(issued, issued[1:])})
 
     def uuid(self):
-        mine = get_hash_for_files((__file__,))
-        if self.then is None:
-            return mine
-        theirs = self.then.uuid() if isinstance(self.then, CustomGraphPass) else None
-        return None if theirs is None else (mine, theirs)  # no uuid: Inductor does not cache
+        theirs = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.then]
+        if None in theirs:  # a pass without a uuid: Inductor does not cache the task, as without ours
+            return None
+        return (get_hash_for_files((__file__,)), *theirs)
 
 
 def compile_task(task: Task, time_waits: bool = False):
