@@ -113,19 +113,26 @@ def test_pytorchs_own_layers_train_like_one_process(rank_pools):
                          outcome.get("error", "")), outcome
 
 
+def _trains_as_one_process(rank_pools, cases: list, same_buffers: bool = False) -> None:
+    """Each case (world, options, model of `local_rows_worker`) within 1e-5 of its reference, on
+    every rank; with `same_buffers`, the model holding the buffer objects it started with."""
+    for world, options, model in cases:
+        for rank, outcome in enumerate(rank_pools(world).run(local_rows_worker, options, model)):
+            assert "error" not in outcome, (options, model, rank, outcome.get("error"))
+            result = outcome["value"]
+            assert result["same_buffers"] or not same_buffers, (options, model, rank)
+            assert max(result["loss_errors"]) < 1e-5, (options, model, rank, result)
+            assert max(result["errors"].values()) < 1e-5, (options, model, rank, result["errors"])
+
+
 def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):
     """Found checking BatchNorm: the program returned the running statistics' new values and the
     step dropped them (kept per microbatch, looked up per step), so the statistics stayed as
     initialized while training went on, silently. Each rank now takes its own, as under FSDP2
     (and DDP without broadcast_buffers)."""
-    cases = [(1, {"codegen": "eager"}), (1, {"codegen": "inductor"}), (2, {"codegen": "eager", "zero": 0}),
-             (2, {"codegen": "eager", "zero": 3})]
-    for world, options in cases:
-        for rank, outcome in enumerate(rank_pools(world).run(local_rows_worker, options)):
-            assert "error" not in outcome, (options, rank, outcome.get("error"))
-            result = outcome["value"]
-            assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
-            assert max(result["errors"].values()) < 1e-5, (options, rank, result["errors"])
+    _trains_as_one_process(rank_pools, [
+        (1, {"codegen": "eager"}, "batch_norm"), (1, {"codegen": "inductor"}, "batch_norm"),
+        (2, {"codegen": "eager", "zero": 0}, "batch_norm"), (2, {"codegen": "eager", "zero": 3}, "batch_norm")])
     # A convolutional network under Inductor: its group norm's statistics reshaped by `as_strided`
     # and its max pooling as prims of Inductor's decompositions had no placement (`op_rules`), and
     # Inductor made the forward's convolution outputs channels-last where the backward, compiled
@@ -136,11 +143,7 @@ def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):
     # split a group norm's decomposition, whose one backward left the first part's stage none
     # (no I or W task for the schedule's actions, `split_stages`).
     zbv = {"mesh": {"pp": 2}, "pipeline": {"schedule": "zbv", "microbatches": 2}, "codegen": "inductor"}
-    for options, model in (({"zero": 2, "codegen": "inductor"}, "conv"), (zbv, "conv_group_norm")):
-        for rank, outcome in enumerate(rank_pools(2).run(local_rows_worker, options, model)):
-            assert "error" not in outcome, (options, rank, outcome.get("error"))
-            result = outcome["value"]
-            assert max(result["loss_errors"]) < 1e-5 and max(result["errors"].values()) < 1e-5, (options, rank, result)
+    _trains_as_one_process(rank_pools, [(2, {"zero": 2, "codegen": "inductor"}, "conv"), (2, zbv, "conv_group_norm")])
 
 
 def test_buffers_the_forward_mutates_are_updated_microbatch_by_microbatch(rank_pools):
@@ -163,12 +166,7 @@ def test_buffers_the_forward_mutates_are_updated_microbatch_by_microbatch(rank_p
              (2, pipeline("dualpipev", 4, codegen="eager"), "conv"),
              (4, {"mesh": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 2},
                   "codegen": "eager"}, "conv")]
-    for world, options, model in cases:
-        for rank, outcome in enumerate(rank_pools(world).run(local_rows_worker, options, model)):
-            assert "error" not in outcome, (options, rank, outcome.get("error"))
-            result = outcome["value"]
-            assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
-            assert max(result["errors"].values()) < 1e-5, (options, rank, result["errors"])
+    _trains_as_one_process(rank_pools, cases)
     # DualPipe runs every stage on two ranks, which would each update the statistics from their
     # own microbatches: refused on every rank, naming the buffer.
     dualpipe = pipeline("dualpipe", 4, codegen="eager")
@@ -188,13 +186,8 @@ def test_buffers_an_out_op_writes_stay_the_modules(rank_pools):
     cases = [(1, {"codegen": "inductor"}), (2, {"codegen": "eager", "zero": 3}),
              (2, {"codegen": "eager", "zero": 1, "pipeline": {"microbatches": 2}}),
              (2, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}, "codegen": "eager"})]
-    for world, options in cases:
-        for rank, outcome in enumerate(rank_pools(world).run(local_rows_worker, options, "spectral_norm")):
-            assert "error" not in outcome, (options, rank, outcome.get("error"))
-            result = outcome["value"]
-            assert result["same_buffers"], (options, rank)
-            assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
-            assert max(result["errors"].values()) < 1e-5, (options, rank, result["errors"])
+    _trains_as_one_process(rank_pools, [(world, options, "spectral_norm") for world, options in cases],
+                           same_buffers=True)
 
 
 def test_a_loss_that_mixes_rows_is_each_replicas_as_under_ddp(rank_pools):
@@ -204,12 +197,7 @@ def test_a_loss_that_mixes_rows_is_each_replicas_as_under_ddp(rank_pools):
     which none of them computes either."""
     cases = [(2, {"codegen": "eager", "zero": 3, "pipeline": {"microbatches": 2}}),
              (2, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}, "codegen": "eager"})]
-    for world, options in cases:
-        for rank, outcome in enumerate(rank_pools(world).run(local_rows_worker, options, "contrastive")):
-            assert "error" not in outcome, (options, rank, outcome.get("error"))
-            result = outcome["value"]
-            assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
-            assert max(result["errors"].values()) < 1e-5, (options, rank, result["errors"])
+    _trains_as_one_process(rank_pools, [(world, options, "contrastive") for world, options in cases])
 
 
 def test_a_value_made_before_a_graph_break_keeps_the_batchs_symbolic_size(rank_pools):
@@ -221,9 +209,4 @@ def test_a_value_made_before_a_graph_break_keeps_the_batchs_symbolic_size(rank_p
     Dynamo made symbolic in what it returns dynamic, as `prepare` marks its arguments'."""
     cases = [(2, {"codegen": "eager", "zero": 3, "pipeline": {"microbatches": 2}}),
              (2, {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}, "codegen": "inductor"})]
-    for world, options in cases:
-        for rank, outcome in enumerate(rank_pools(world).run(local_rows_worker, options, "checks_targets")):
-            assert "error" not in outcome, (options, rank, outcome.get("error"))
-            result = outcome["value"]
-            assert max(result["loss_errors"]) < 1e-5, (options, rank, result)
-            assert max(result["errors"].values()) < 1e-5, (options, rank, result["errors"])
+    _trains_as_one_process(rank_pools, [(world, options, "checks_targets") for world, options in cases])
