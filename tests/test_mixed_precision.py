@@ -127,8 +127,13 @@ ONE_F_ONE_B = {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches
 # `weight * x.to(input_dtype)` and cast their rotary tables to the activations' dtype. Under a
 # pipeline alone (dp = 1) the parameters are plain tensors; Qwen2's head is tied to its embedding,
 # and so is Gemma's, read by two gathers under ZeRO-3 whose gradients are summed in bf16.
+# Mixtral routes its tokens to experts (transformers' grouped matmul) with its router's softmax
+# in fp32, and Qwen3-Next's linear attention casts its query, key and value to fp32 for its gated
+# delta rule.
 HF_EXACT = {"llama-zero3": ("llama", {"mesh": {"dp": 2}, "zero": 3}), "qwen2-1f1b": ("qwen2", ONE_F_ONE_B),
-            "gemma-zero3": ("gemma", {"mesh": {"dp": 2}, "zero": 3})}
+            "gemma-zero3": ("gemma", {"mesh": {"dp": 2}, "zero": 3}),
+            "mixtral-zero3": ("mixtral", {"mesh": {"dp": 2}, "zero": 3}),
+            "qwen3_next-zero3": ("qwen3_next", {"mesh": {"dp": 2}, "zero": 3})}
 
 
 @pytest.mark.parametrize("case", HF_EXACT)
