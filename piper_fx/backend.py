@@ -31,7 +31,7 @@ from .compile_stats import CompileStats, record
 from .debug import DebugDump
 from .ir import HELD_ROLES, InputRole, TrainingDAG
 from .options import Strategy, parse_options_on_all_ranks
-from .outputs import flat_returns, return_arguments_themselves, returned_numbers
+from .outputs import return_arguments_themselves, returned_numbers, returned_values
 from .passes import dump_path, run_passes
 from .passes.functionalize_random import step_randomness
 from .philox import attach_stream, stream_of
@@ -185,9 +185,8 @@ def _whole_on_every_rank(gm: fx.GraphModule, example_inputs: list, strategy: Str
     size then reaches the model's graph as a SymInt, as `prepare` marks it on the module's
     arguments, so that a pipeline's can be traced at microbatch size (`capture`)."""
     run = gm.forward if strategy.codegen == "eager" else compile_fx(gm, example_inputs)
-    values = [node.meta.get("example_value") if isinstance(node, fx.Node) else None for node in flat_returns(gm)]
     dynamic = [(index, [dim for dim, size in enumerate(value.shape) if isinstance(size, torch.SymInt)])
-               for index, value in enumerate(values) if isinstance(value, torch.Tensor)]
+               for index, value in enumerate(returned_values(gm)) if isinstance(value, torch.Tensor)]
     dynamic = [(index, dims) for index, dims in dynamic if dims]
     if not dynamic:
         return run

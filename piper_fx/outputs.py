@@ -32,9 +32,8 @@ def loss_index(gm: fx.GraphModule) -> int | None:
     (a Hugging Face model's key and value cache, on unless `use_cache=False`) before the
     model's outputs, and a model may return its logits before its loss. The step returns its
     outputs in Dynamo's order, and differentiates the loss alone."""
-    scalars = [(index, node.meta["example_value"]) for index, node in enumerate(flat_returns(gm))
-               if isinstance(node, fx.Node) and isinstance(node.meta.get("example_value"), torch.Tensor)
-               and node.meta["example_value"].numel() == 1 and node.meta["example_value"].is_floating_point()]
+    scalars = [(index, value) for index, value in enumerate(returned_values(gm))
+               if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point()]
     return next((index for index, value in scalars if value.requires_grad), scalars[0][0] if scalars else None)
 
 
@@ -50,18 +49,15 @@ def return_arguments_themselves(gm: fx.GraphModule) -> list[tuple[int, int]]:
     itself in its place instead (`CompiledStep`), updated in place as the forward updates every
     buffer it mutates (`passes.update_buffers`): as in eager, where the out= op returns the buffer.
     Whoever hands `capture` a Dynamo graph calls this first, once (the piper backend)."""
-    output = gm.graph.find_nodes(op="output")[0]
-    returned = flat_returns(gm)
     arguments = {id(node.meta.get("example_value")): index
                  for index, node in enumerate(gm.graph.find_nodes(op="placeholder"))}
-    themselves = [(index, arguments[id(node.meta.get("example_value"))]) for index, node in enumerate(returned)
-                  if isinstance(node, fx.Node) and isinstance(node.meta.get("example_value"), torch.Tensor)
-                  and id(node.meta["example_value"]) in arguments]
+    themselves = [(index, arguments[id(value)]) for index, value in enumerate(returned_values(gm))
+                  if isinstance(value, torch.Tensor) and id(value) in arguments]
     if themselves:
+        returned = flat_returns(gm)
         for index, _ in themselves:
             returned[index] = None
-        output.args = (type(output.args[0])(returned) if isinstance(output.args[0], (tuple, list)) else returned[0],)
-        gm.recompile()
+        _return(gm, returned)
     return themselves
 
 
@@ -72,8 +68,7 @@ def returned_numbers(gm: fx.GraphModule, sizes: dict) -> list[tuple[int, object]
     The joint graph, traced at static microbatch sizes, returns them as constants of a
     microbatch's, which the step does not hand back (`describe_outputs`); it returns these."""
     numbers = []
-    for index, node in enumerate(flat_returns(gm)):
-        value = node.meta.get("example_value") if isinstance(node, fx.Node) else node
+    for index, (node, value) in enumerate(zip(flat_returns(gm), returned_values(gm))):
         if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             number = value.node.expr.xreplace(sizes)
             if getattr(number, "free_symbols", None):
@@ -90,6 +85,19 @@ def flat_returns(gm: fx.GraphModule) -> list:
     any tensor its forward left on a module (a recurrent state), which Dynamo's code stores there."""
     outputs = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
     return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+
+
+def returned_values(gm: fx.GraphModule) -> list:
+    """The value of each output of Dynamo's graph `gm` (`flat_returns`): Dynamo's fake value of a
+    node (`example_value`), or the output itself where it is no node (None, a number)."""
+    return [node.meta.get("example_value") if isinstance(node, fx.Node) else node for node in flat_returns(gm)]
+
+
+def _return(gm: fx.GraphModule, returned: list) -> None:
+    """Have Dynamo's graph `gm` return `returned` (`flat_returns`, changed) in its own container."""
+    output = gm.graph.find_nodes(op="output")[0]
+    output.args = (type(output.args[0])(returned) if isinstance(output.args[0], (tuple, list)) else returned[0],)
+    gm.recompile()
 
 
 def made_where(node: fx.Node) -> str:
@@ -119,7 +127,7 @@ def check_a_scalar_loss(gm: fx.GraphModule, loss: int | None, microbatches: int)
     values, none a scalar (its `loss_index` is `loss`), is not a whole training step (a graph
     break ended it early, say), whatever its arguments are (a graph after a break takes values
     of the model's, not its batch)."""
-    values = [node.meta.get("example_value") if isinstance(node, fx.Node) else None for node in flat_returns(gm)]
+    values = returned_values(gm)
     differentiable = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
     if differentiable and (loss is None or not values[loss].requires_grad):
         raise _not_one_scalar_loss(len(differentiable), tuple(differentiable[0].shape), microbatches)
@@ -129,18 +137,16 @@ def detach_outputs_beside_the_loss(gm: fx.GraphModule, loss: int | None) -> list
     """Return every output but the loss (output `loss`) of Dynamo's graph `gm` detached, so that
     the step differentiates the loss alone; the indices of those that required grad, which the
     step returns attached (`runtime.step`)."""
-    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    output = gm.graph.find_nodes(op="output")[0]
     returned, detached = flat_returns(gm), []
-    for index, node in enumerate(returned):
-        example = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    for index, (node, example) in enumerate(zip(list(returned), returned_values(gm))):
         if index != loss and isinstance(example, torch.Tensor) and example.requires_grad:
             detached.append(index)
             with gm.graph.inserting_before(output):
                 returned[index] = gm.graph.call_method("detach", (node,))
             returned[index].meta["example_value"] = example
     if detached:
-        output.args = (type(output.args[0])(returned) if isinstance(output.args[0], (tuple, list)) else returned[0],)
-        gm.recompile()
+        _return(gm, returned)
     return detached
 
 
