@@ -589,8 +589,12 @@ def gathers_in_flight_worker(rank: int, world: int, options: dict) -> int:
     return gathers_in_flight(programs)
 
 
-def stats_worker(rank: int, world: int, options: dict, steps: int = 3) -> dict:
-    """`last_step_stats()` after each of a few steps, with the model's parameter bytes."""
+def stats_worker(rank: int, world: int, options: dict, steps: int = 3, inductor_caches: bool = True) -> dict:
+    """`last_step_stats()` after each of a few steps, with the model's parameter bytes; with
+    `inductor_caches` False, every task compiled by Inductor anew, none loaded from its caches."""
+    if not inductor_caches:
+        with torch._inductor.config.patch(force_disable_caches=True):
+            return stats_worker(rank, world, options, steps)
     cfg = GPTConfig(**SMALL)
     torch.manual_seed(0)
     model = GPT(cfg)
