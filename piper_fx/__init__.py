@@ -5,6 +5,7 @@
     loss = step(x, y); loss.backward(); opt.step()
     state = piper_fx.full_state_dict(model)
     piper_fx.clip_grad_norm_(model, max_norm)         # the norm over every rank's pieces
+    with piper_fx.no_sync(model): ...                  # gradient accumulation without communication
     piper_fx.save_checkpoint(path, model, opt, step=n); piper_fx.load_checkpoint(path, model, opt)
 """
 from .annotate import annotate
@@ -13,6 +14,7 @@ from .checkpoint import load_checkpoint, model_state_dict, optimizer_state_dict,
 from .clipping import clip_grad_norm_
 from .compile_stats import last_compile_stats
 from .errors import PeerFailedError, PiperConfigError, PiperError
+from .gradient_sync import no_sync, set_requires_gradient_sync
 from .options import Strategy, parse_options
 from .prepare import prepare
 from .sharding.experts import mark_experts
@@ -24,5 +26,5 @@ _register()
 
 __all__ = ["annotate", "clip_grad_norm_", "PeerFailedError", "PiperConfigError", "PiperError", "Strategy",
            "full_state_dict", "load_checkpoint", "model_state_dict", "optimizer_state_dict", "parse_options",
-           "last_compile_stats", "last_step_stats", "last_step_trace", "mark_experts", "piper_backend", "prepare", "save_checkpoint",
-           "schedules"]
+           "last_compile_stats", "last_step_stats", "last_step_trace", "mark_experts", "no_sync", "piper_backend", "prepare",
+           "save_checkpoint", "schedules", "set_requires_gradient_sync"]

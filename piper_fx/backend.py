@@ -29,6 +29,7 @@ from .codegen import compile_program, fewest_regions, prepare, warm_up
 from .compat import compile_fx, dynamo_trace_seconds, maybe_mark_dynamic
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
+from .gradient_sync import unsynced, window_of
 from .ir import HELD_ROLES, InputRole, TrainingDAG
 from .options import Strategy, parse_options_on_all_ranks
 from .outputs import return_arguments_themselves, returned_numbers, returned_values
@@ -38,6 +39,7 @@ from .philox import attach_stream, stream_of
 from .plan_cache import Plan, plan_of
 from .prepare import check_prepared
 from .runtime.executor import ProgramExecutor
+from .runtime.held_gradients import GradientReduction
 from .runtime.step import CompiledStep
 from .schedules import svg, text_grid
 from .sharding.dtensor_params import parameter_records, stood_for
@@ -228,7 +230,7 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     sized = symbolic_inputs(gm, example_inputs)
     anchor = next((i for i, t in enumerate(example_inputs) if isinstance(t, nn.Parameter)), None)
     return DeferredStep(_StepBuilder(gm, example_inputs, strategy, device, dump, warming, stats, sized, themselves),
-                        sized, anchor)
+                        sized, anchor, reduces=anchor is not None and strategy.dp > 1)
 
 
 # How many batch shapes a frame compiles steps for before each new one warns (Dynamo's default
@@ -263,17 +265,23 @@ class DeferredStep:
     a model it has not seen, as for a shape; each model's steps live as long as the model (the
     steps of the model called last too: `_forget` lets go of them when it dies).
 
+    A training call of a model whose gradient synchronization is off (`piper_fx.no_sync`), or
+    the first call after, runs a step planned without gradient reductions instead, compiled at
+    the first such call of its batch shape and kept beside the others (`_unsynced`); with one
+    replica (dp = 1) there is nothing to hold back, and the model's window is not looked up.
+
     Slotted: Dynamo wraps the step in a function that copies the step's `__dict__` into its
     own (`functools.wraps`), which would keep the build for the life of the compiled frame
     by another reference. The builder keeps Dynamo's graph for the shapes and models to come."""
 
-    __slots__ = ("_build", "_sized", "_anchor", "_models", "_model", "_steps", "step", "__weakref__")
+    __slots__ = ("_build", "_sized", "_anchor", "_reduces", "_models", "_model", "_steps", "step", "__weakref__")
 
-    def __init__(self, build: Callable[[tuple, tuple], CompiledStep], sized: tuple[int, ...],
-                 anchor: int | None = None):
+    def __init__(self, build: Callable[..., CompiledStep], sized: tuple[int, ...],
+                 anchor: int | None = None, reduces: bool = False):
         self._build = build
         self._sized = sized
         self._anchor = anchor
+        self._reduces = reduces  # whether the step reduces gradients (dp > 1), which `no_sync` holds back
         self._models = WeakIdKeyDictionary()  # each model's anchor argument -> its steps
         self._model: Callable[[], Any] | None = None  # the anchor argument of the model of `_steps`, weakly
         self._steps: dict[tuple, CompiledStep] = {}  # by the sizes of the call they were compiled for (() without)
@@ -292,6 +300,10 @@ class DeferredStep:
             self._steps = self._models.setdefault(args[self._anchor], {})
             self._model = weakref.ref(args[self._anchor], functools.partial(DeferredStep._forget, weakref.ref(self)))
             self.step = self._steps.get(()) if not self._sized else None
+        if self._reduces and torch.is_grad_enabled():
+            window = window_of(args[self._anchor])
+            if window is not None and window.unsynced:
+                return self._unsynced(args)
         if not self._sized:
             if self.step is None:
                 self.step = self._steps[()] = self._build(args, ())
@@ -305,6 +317,15 @@ class DeferredStep:
                               "shapes", stacklevel=2)
             step = self._steps[key] = self._build(args, key)
         self.step = step
+        return step(*args)
+
+    def _unsynced(self, args: tuple):
+        """Run the step without gradient reductions (`gradient_sync`), compiled at the
+        model's first call while its synchronization is off, per batch shape."""
+        key = ("no_sync", tuple(args[i] if isinstance(args[i], int) else tuple(args[i].shape) for i in self._sized))
+        step = self._steps.get(key)
+        if step is None:
+            step = self._steps[key] = self._build(args, key[1], gradient_sync=False)
         return step(*args)
 
 
@@ -325,17 +346,19 @@ class _StepBuilder:
         self.first: tuple | None = (example_inputs, warming, stats)
         self.later = 0  # steps compiled since the first
 
-    def __call__(self, args: tuple, sizes: tuple) -> CompiledStep:
+    def __call__(self, args: tuple, sizes: tuple, gradient_sync: bool = True) -> CompiledStep:
         """The step for the call of `args`, whose `sizes` (those of its `sized` arguments) name a
-        later step's dump, numbered."""
+        later step's dump, numbered; without gradient reductions where `gradient_sync` is
+        False (`piper_fx.no_sync`)."""
+        strategy = self.strategy if gradient_sync else unsynced(self.strategy)
         if self.first is not None:
             (example_inputs, warming, stats), self.first = self.first, None
-            return _compile(self.gm, _at_call_sizes(example_inputs, args, self.sized), self.strategy, self.device,
+            return _compile(self.gm, _at_call_sizes(example_inputs, args, self.sized), strategy, self.device,
                             self.dump, warming, stats, self.themselves)
         self.later += 1
         name = "_".join(str(size) if isinstance(size, int) else "x".join(map(str, size)) for size in sizes)
-        return _compile(self.gm, list(args), self.strategy, self.device,
-                        self.dump.beside(f"step_{self.later}" + (f"_sizes_{name}" if name else "")),
+        name = f"step_{self.later}" + (f"_sizes_{name}" if name else "") + ("" if gradient_sync else "_no_sync")
+        return _compile(self.gm, list(args), strategy, self.device, self.dump.beside(name),
                         warm_up(self.strategy.codegen, self.device), CompileStats(), self.themselves)
 
 
@@ -420,6 +443,9 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
         placeholders=placeholders,
         themselves=themselves,
         numbers=returned_numbers(gm, call_sizes(gm, example_inputs)),
+        holds=None if strategy.gradient_sync or strategy.dp == 1 else GradientReduction(
+            strategy.zero, planned.dp_group, strategy.mixed_precision.reduction_dtype,
+            int(strategy.bucket_mb * 2**20)),
     )
 
 

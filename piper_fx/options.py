@@ -99,6 +99,9 @@ class Strategy:
     schedule: Any = "1f1b"  # a preset's name, or a validated `schedules.Schedule`
     microbatches: int = 1
     stages_per_rank: int = 1
+    # Not an option: False plans the program a step runs while the model's gradient
+    # synchronization is off (`piper_fx.no_sync`), whose gradients leave unreduced.
+    gradient_sync: bool = True
 
     @property
     def num_stages(self) -> int:

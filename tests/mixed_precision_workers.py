@@ -2,6 +2,7 @@
 under one `MixedPrecisionPolicy`, on the same global batches."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -68,11 +69,15 @@ def _fp32_comm_bytes(options: dict, cfg: GPTConfig, pp_regions: bool, x, y, rank
 
 
 def mixed_precision_worker(rank: int, world: int, options: dict, optimizer: str = "adamw", steps: int = 10,
-                           per_rank_batch: int = 2, pp_regions: bool = False, tied: bool = False) -> dict:
+                           per_rank_batch: int = 2, pp_regions: bool = False, tied: bool = False,
+                           accumulate: int = 1) -> dict:
     """Train the GPT (its head tied to its embedding if `tied`) `steps` steps with piper_fx
     under `options`, FSDP2 over every rank with the options' mixed precision as its
     `MixedPrecisionPolicy`, and one process with the same casts, on the same global batches;
-    return each one's losses and final parameters."""
+    return each one's losses and final parameters. With `accumulate` > 1 each step
+    accumulates that many calls' gradients (each loss divided by it), all but the last
+    without gradient synchronization: piper_fx's `no_sync`, FSDP2's
+    `set_requires_gradient_sync(False)`."""
     policy = _policy(options)
     cfg = GPTConfig(**SMALL, tied_embeddings=tied)
     torch.manual_seed(0)
@@ -91,13 +96,17 @@ def mixed_precision_worker(rank: int, world: int, options: dict, optimizer: str 
     mesh = options.get("mesh", {})
     dp = mesh.get("dp", world // mesh.get("pp", 1))
     losses: dict[str, list[float]] = {"piper": [], "fsdp2": [], "single": []}
-    for i in range(steps):
+    for i in range(steps * accumulate):
         x, y = global_batch(i, per_rank_batch * world, cfg)
         rows = x.shape[0] // dp
-        piper_loss = step(x[rank % dp * rows:][:rows], y[rank % dp * rows:][:rows])
-        fsdp_loss = fsdp(x.chunk(world)[rank], y.chunk(world)[rank])
-        single_loss = _single_process_step(single, x, y, policy)
-        _backward_and_step((piper_loss, fsdp_loss, single_loss), optimizers)
+        synced = i % accumulate == accumulate - 1
+        fsdp.set_requires_gradient_sync(synced)
+        with contextlib.nullcontext() if synced else piper_fx.no_sync(step):
+            piper_loss = step(x[rank % dp * rows:][:rows], y[rank % dp * rows:][:rows])
+            fsdp_loss = fsdp(x.chunk(world)[rank], y.chunk(world)[rank])
+            single_loss = _single_process_step(single, x, y, policy)
+            scaled = [loss / accumulate if accumulate > 1 else loss for loss in (piper_loss, fsdp_loss, single_loss)]
+            _backward_and_step(scaled, optimizers if synced else [])
         losses["piper"].append(_mean_over_ranks(piper_loss, world))
         losses["fsdp2"].append(_mean_over_ranks(fsdp_loss, world))
         losses["single"].append(single_loss.item())

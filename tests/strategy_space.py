@@ -41,6 +41,12 @@ class Case:
     # train on uneven batches, the first replica's second and the others' third (each compiled alone).
     resized: bool = False
     frozen: bool = False  # two parameters frozen before `prepare` on both sides (`train_and_compare`)
+    # The first step's gradients accumulated into the second's without synchronization (`piper_fx.no_sync`);
+    # not with experts shared out (ep > 1), which refuses it. Drawn with SGD alone: a sum of two steps'
+    # gradients has components near zero, whose rounding AdamW's normalisation turns into steps of
+    # 1e-5 relative (pp4 interleaved 1F1B, one replica, where a window changes nothing: 4.5e-5 with
+    # AdamW, 3e-7 with SGD, against one process accumulating the same).
+    unsynced: bool = False
 
     @property
     def world(self) -> int:
@@ -77,7 +83,8 @@ class Case:
         return (f"{self.model} pp{self.pp} dp{self.dp} ep{self.ep} zero{self.zero} {schedule} "
                 f"bucket={self.bucket_mb} overlap={self.overlap} prefetch={self.prefetch} {self.codegen} "
                 f"ac={self.checkpointing} {self.optimizer}{' on-meta' if self.on_meta else ''}"
-                f"{' resized' if self.resized else ''}{' frozen' if self.frozen else ''}")
+                f"{' resized' if self.resized else ''}{' frozen' if self.frozen else ''}"
+                f"{' unsynced' if self.unsynced else ''}")
 
 
 def expected_errors(case: Case) -> set[str]:
@@ -127,12 +134,13 @@ def cases(draw) -> Case:
         step = 2 if schedule == "dualpipe" else pp if schedule == "interleaved_1f1b" else 1
         microbatches = _mostly(draw(st.sampled_from((least, least + step))), max(1, least - 1), draw)
         stages_per_rank = _mostly(draw(st.sampled_from((None, default))), 2 if default == 1 else 1, draw)
+    optimizer = draw(st.sampled_from(("sgd", "adamw_eps")))
     return Case(model=model, pp=pp, dp=dp, ep=ep, zero=draw(st.sampled_from((0, 1, 2, 3))), schedule=schedule,
                 microbatches=microbatches, stages_per_rank=stages_per_rank,
                 bucket_mb=draw(st.sampled_from((25.0, 0.001))), overlap=draw(st.booleans()),
-                prefetch=draw(st.sampled_from((0, 1, 2))), optimizer=draw(st.sampled_from(("sgd", "adamw_eps"))),
+                prefetch=draw(st.sampled_from((0, 1, 2))), optimizer=optimizer,
                 checkpointing=draw(st.sampled_from(("none", "full", "selective"))), on_meta=draw(st.booleans()),
-                resized=draw(st.booleans()), frozen=draw(st.booleans()))
+                resized=draw(st.booleans()), frozen=draw(st.booleans()), unsynced=ep == 1 and optimizer == "sgd" and draw(st.booleans()))
 
 
 def train_case(rank: int, world: int, case: Case) -> dict:
@@ -154,7 +162,8 @@ def train_case(rank: int, world: int, case: Case) -> dict:
                                                         [rows] + [2 * rows] * (case.dp - 1)]
             resized = together if case.dp == 1 or case.ep > 1 else apart
         result = train_and_compare(rank, world, case.options(), case.optimizer, steps=3, per_rank_batch=rows,
-                                   per_rank_batches=resized, on_meta=case.on_meta, frozen=case.frozen, **model)
+                                   per_rank_batches=resized, on_meta=case.on_meta, frozen=case.frozen,
+                                   unsynced_steps=(0,) if case.unsynced else (), **model)
     except PiperConfigError as e:
         return {"config_error": (e.key, str(e))}
     return {"loss_error": max(result["loss_errors"]), "param_error": max(result["param_errors"].values()),

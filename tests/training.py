@@ -1,6 +1,7 @@
 """Per-rank training loops compared against single-process training (run inside `run_ranks`)."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -93,7 +94,8 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
                       model: str = "gpt", experts: int = 0, ep_regions: bool = True,
                       capacity_factor: float | None = None, model_kwargs: dict | None = None,
                       keywords: bool = False, on_meta: bool = False,
-                      per_rank_batches: list[int | list[int]] | None = None, frozen: bool = False) -> dict:
+                      per_rank_batches: list[int | list[int]] | None = None, frozen: bool = False,
+                      unsynced_steps: tuple[int, ...] = ()) -> dict:
     """Train with piper_fx on this rank's shard and, alongside, one model on the global batch.
 
     With `same_init=False` each rank initializes its own model from its own seed;
@@ -106,6 +108,8 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     the mean of the replicas' losses (each the mean over its own rows). With `frozen`, the
     first parameter and the one halfway down `named_parameters()` have `requires_grad=False`
     from before `prepare` on both sides, as fine-tuning freezes some: neither side trains them.
+    The steps in `unsynced_steps` accumulate gradients into the next: piper_fx's call runs in
+    `piper_fx.no_sync`, and neither side steps its optimizer after it.
     """
     from models import MODELS, batch
 
@@ -157,15 +161,16 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
         x, y = batch_fn(i, sum(replica_rows))
         parts = list(zip(x.split(replica_rows), y.split(replica_rows)))
         lx, ly = parts[rank % dp]
-        loss = step(**dict(zip(inspect.signature(model.forward).parameters, (lx, ly)))) if keywords else step(lx, ly)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
+        unsynced = i in unsynced_steps
+        with piper_fx.no_sync(step) if unsynced else contextlib.nullcontext():
+            loss = step(**dict(zip(inspect.signature(model.forward).parameters, (lx, ly)))) if keywords else step(lx, ly)
+            loss.backward()
         ref_loss = reference(x, y) if len(set(replica_rows)) == 1 else sum(reference(*part) for part in parts) / dp
         ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        if not unsynced:
+            for stepped in (opt, ref_opt):
+                stepped.step()
+                stepped.zero_grad()
 
         mean_loss = loss.detach().clone()
         if world > 1:

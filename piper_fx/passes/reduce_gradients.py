@@ -31,8 +31,17 @@ bytes for a tied embedding, whose first read's whole gradient (the head's) is
 then held until the last (the embedding's) is complete, as FSDP2 holds it.
 Not under a pipeline: stages are cut later (`split_stages`), and a sum of
 reads in two stages would move a whole gradient between them.
+
+Without gradient synchronization (`strategy.gradient_sync` False: the program of
+a call inside `piper_fx.no_sync`) nothing is reduced: every parameter's
+gradient leaves whole and unreduced, this replica's own (summed over
+microbatches), for the step to hold until the window's last call reduces what
+it held (`runtime.held_gradients`), as FSDP2 holds its unsharded gradients
+under `set_requires_gradient_sync(False)`.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.fx as fx
@@ -105,6 +114,34 @@ def _sum_reads_before_reducing(dag: TrainingDAG, param_dtype: torch.dtype | None
                 graph.erase_node(dead)
 
 
+def _leave_unreduced(dag: TrainingDAG) -> None:
+    """Each marker replaced by the whole gradient it reads, and the value (`meta["val"]`) of
+    every op after one computed again: a sum of a tied weight's reads in two pipeline stages
+    (not folded there, `_sum_reads_before_reducing`) adds whole gradients now, not shards."""
+    graph = dag.joint.graph
+    stale: set[fx.Node] = set()
+    for marker in [n for n in graph.nodes if n.op == "call_function" and n.target is REDUCE_GRAD]:
+        stale.update(marker.users)
+        marker.replace_all_uses_with(marker.args[0])
+        graph.erase_node(marker)
+    for node in graph.nodes:
+        if node not in stale or node.op != "call_function":
+            continue
+        vals = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+        fake = _fake_mode_of(vals)
+        with fake if fake is not None else contextlib.nullcontext():
+            val = node.target(*vals[0], **vals[1])
+        before, node.meta["val"] = node.meta.get("val"), val
+        if not isinstance(before, torch.Tensor) or before.shape != val.shape or before.dtype != val.dtype:
+            stale.update(node.users)
+
+
+def _fake_mode_of(vals) -> object | None:
+    found = []
+    fx.node.map_aggregate(vals, lambda v: found.append(v.fake_mode) if hasattr(v, "fake_mode") else None)
+    return found[0] if found else None
+
+
 def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:
     graph = dag.joint.graph
     for marker in [n for n in graph.nodes if n.op == "call_function" and n.target is REDUCE_GRAD]:
@@ -146,8 +183,11 @@ def reduce_gradients(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
         return dag
     if strategy.pp == 1:
         _sum_reads_before_reducing(dag, strategy.mixed_precision.param_dtype)
-    _lower_markers(dag, strategy)
-    _all_reduce_full_gradients(dag, strategy)  # replicas: every parameter at ZeRO-0, 0-d ones at any level
+    if not strategy.gradient_sync:
+        _leave_unreduced(dag)
+    else:
+        _lower_markers(dag, strategy)
+        _all_reduce_full_gradients(dag, strategy)  # replicas: every parameter at ZeRO-0, 0-d ones at any level
     dag.joint.graph.lint()
     dag.joint.recompile()
     return dag

@@ -10,7 +10,7 @@ import collections
 import contextlib
 import contextvars
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -101,8 +101,10 @@ class StepRun:
     are first asked for (on a GPU, once the step's work has run), what the program made at
     its peak (`memory`) with the memory parts the step held throughout (`held`), its counts,
     and the host seconds of the compiled step's own work around the program, which the step
-    sets: in the call (`call_s`) and in `loss.backward()` (`hand_over_s`, once it ran). The
-    stats are put together when asked for, not in every step."""
+    sets: in the call (`call_s`) and in `loss.backward()` (`hand_over_s`, once it ran), with the
+    bytes of the collectives it ran there (`held_reduction_bytes`: the last call of a
+    `piper_fx.no_sync` window reduces what the window held). The stats are put together when
+    asked for, not in every step."""
 
     timeline: StepTimeline
     memory: MemoryProfile
@@ -112,6 +114,7 @@ class StepRun:
     p2p_batches: int
     call_s: float = 0.0
     hand_over_s: float = 0.0
+    held_reduction_bytes: dict[str, int] = field(default_factory=dict)
 
     @functools.cached_property
     def _program_stats(self) -> dict:
@@ -123,6 +126,8 @@ class StepRun:
     def stats(self) -> dict:
         """Its stats (`piper_fx.last_step_stats` lists the keys)."""
         stats = dict(self._program_stats)
+        for kind, nbytes in self.held_reduction_bytes.items():
+            stats["comm_bytes"] = {**stats["comm_bytes"], kind: stats["comm_bytes"].get(kind, 0) + nbytes}
         stats["step_call_s"] = call = self.call_s + self.hand_over_s
         total = stats["step_s"] + call
         stats["overhead_fraction"] = (stats["runtime_s"] + call) / total if total else 0.0

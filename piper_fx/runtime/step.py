@@ -36,12 +36,14 @@ from torch.distributed.tensor import DTensor
 from ..compat import DTensorSpec, accumulates_in_this_backward, has_grad_hooks, local_tensor
 from ..debug import DebugDump
 from ..errors import PiperError
+from ..gradient_sync import SyncWindow, window_of
 from ..ir import HELD_ROLES, GraphInput, GraphOutput, InputRole, OutputRole
 from ..philox import StepRandomness
 from ..sharding.dtensor_params import accumulate_grad, parameter_grad, program_tensor, stood_for
 from ..sharding.holdings import is_stored
 from . import failures
 from .executor import ProgramExecutor, StepRun
+from .held_gradients import GradientReduction
 from .memory import (optimizer_state_bytes, optimizer_state_version, record_optimizer_state, storage_bytes,
                      storage_key)
 
@@ -165,8 +167,11 @@ class CompiledStep:
                  batch_shapes: dict[int, tuple[int, ...]], dump: DebugDump | None = None,
                  randomness: StepRandomness | None = None, specs: dict[int, DTensorSpec] | None = None,
                  placeholders: Mapping[int, bool] | None = None, themselves: Sequence[tuple[int, int]] = (),
-                 numbers: Sequence[tuple[int, object]] = ()):
+                 numbers: Sequence[tuple[int, object]] = (), holds: GradientReduction | None = None):
         self.executor = executor
+        # Given for the program without gradient reductions (`piper_fx.no_sync`): its gradients
+        # are held in the model's window, and reduced so at the window's last call.
+        self.holds = holds
         self.randomness = randomness  # feeds the graph's random ops (`InputRole.RNG`), if it has any
         self.dump = dump
         self.steps_run = 0
@@ -270,11 +275,17 @@ class CompiledStep:
                                  f"this step was compiled for requires_grad={requires_grad}: the compiled model "
                                  "compiles anew for it at its next call")
 
-    def _held(self, parameters: list[torch.Tensor], tensors: list[torch.Tensor]) -> dict[str, int]:
+    def window(self, args: Sequence[torch.Tensor]) -> SyncWindow | None:
+        """The `no_sync` window of the model of `args` (the call's, parameters stood in), found
+        from a parameter this rank computes a gradient of."""
+        return window_of(args[self.grad_outputs[0][1]]) if self.grad_outputs else None
+
+    def _held(self, parameters: list[torch.Tensor], tensors: list[torch.Tensor],
+              window: SyncWindow | None) -> dict[str, int]:
         """The memory parts held throughout a step: the storage of the parameters and
         buffers (none for those of pipeline stages this rank does not run, released when
         the step was compiled) as the program reads them (`tensors`), their optimizer
-        state, and their gradients from before."""
+        state, and their gradients from before (with those a `no_sync` window holds)."""
         # The first two parts change only with the parameters, the tensors the program reads of
         # them (`_ProgramReads.version`), or their optimizer state: counted again only then.
         key = (optimizer_state_version(), self._reads.version)
@@ -282,7 +293,8 @@ class CompiledStep:
             self._held_key = key
             self._held_bytes = {"parameters": storage_bytes(t for p, t in zip(parameters, tensors) if is_stored(p)),
                                 "optimizer_state": optimizer_state_bytes(parameters)}
-        return {**self._held_bytes, "gradients": storage_bytes([p.grad for p in parameters])}
+        held = window.held.values() if window is not None else ()
+        return {**self._held_bytes, "gradients": storage_bytes([*(p.grad for p in parameters), *held])}
 
     def run_program(self, args: Sequence[torch.Tensor]):
         """Run the program on the call's arguments: (user outputs, {arg index: grad}), each
@@ -307,7 +319,7 @@ class CompiledStep:
         parameters = [args[index] for index in self.held_indices]
         tensors = self._reads(parameters)
         values.update(zip(self.held_keys, tensors))
-        held = self._held(parameters, tensors) if self.training else {}
+        held = self._held(parameters, tensors, self.window(args) if self.holds else None) if self.training else {}
         program_started = time.perf_counter()
         results, self.last_run = self.executor.run(values, call, held)
         program_ended = time.perf_counter()
@@ -363,6 +375,11 @@ class _StepFunction(torch.autograd.Function):
         ctx.args = args
         ctx.run = step.last_run  # where the hand-over's time goes
         ctx.attached, ctx.loss_index = step.attached, step.loss_index
+        ctx.holds = step.holds
+        # The model's window, and whether it reduces at this call's backward: decided at the call,
+        # as DDP's `no_sync` is (a forward inside the window whose backward runs after it holds).
+        ctx.window = step.window(args) if step.holds else None
+        ctx.synced = ctx.window is not None and ctx.window.requires_sync
         # Only the loss carries gradient; the others are plain values, but for those the model
         # made with a gradient, attached so that one reached in the backward is refused.
         ctx.mark_non_differentiable(*(value for index, value in enumerate(user_outputs) if index != step.loss_index
@@ -392,9 +409,28 @@ class _StepFunction(torch.autograd.Function):
         # would wait for its queue).
         if grads and not _is_one_on_host(loss_seed):
             torch._foreach_mul_(list(grads.values()), loss_seed)
+        if ctx.holds is not None:
+            grads = _held_until_synced(ctx.holds, ctx.window, ctx.synced, args, grads, ctx.run.held_reduction_bytes)
         handed = (None, *_hand_over(args, grads, lambda: ctx.next_functions))
         ctx.run.hand_over_s += time.perf_counter() - started
         return handed
+
+
+def _held_until_synced(reduction: GradientReduction, window: SyncWindow | None, synced: bool,
+                       args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
+                       sent: dict[str, int]) -> dict[int, torch.Tensor]:
+    """The gradients to hand over from a program that leaves them unreduced: none from a call
+    made while the model's synchronization was off, its `window` holding them; from the first
+    call made with it on (`synced`), everything held for these parameters with this call's,
+    reduced (`held_gradients`), the bytes it sent added to `sent`."""
+    if not grads:  # no parameter of this rank's stages has one
+        return grads
+    for index, grad in grads.items():
+        window.hold(args[index], reduction.held(grad))
+    if not synced:
+        return {}
+    indices = list(grads)
+    return dict(zip(indices, reduction([args[i] for i in indices], [window.take(args[i]) for i in indices], sent)))
 
 
 def _is_one_on_host(seed: torch.Tensor) -> bool:

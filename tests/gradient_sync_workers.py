@@ -1,0 +1,105 @@
+"""Per-rank gradient accumulation with `piper_fx.no_sync` and `set_requires_gradient_sync` against
+single-process training on the same batches (run inside `run_ranks`; tests/test_gradient_sync.py)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import piper_fx
+from examples.gpt import GPT, GPTConfig
+from training import SMALL, global_batch, make_optimizer, relative_error
+
+
+def accumulate_and_train(rank: int, world: int, options: dict, calls: int = 3, steps: int = 2,
+                         context: bool = True, tied: bool = True, window: bool = True) -> dict:
+    """`steps` optimizer steps of `calls` calls each, every call's loss scaled by 1/calls, all but
+    the last with synchronization off (`no_sync`, or `set_requires_gradient_sync` where `context`
+    is False; every call synchronizing where `window` is False), against one model accumulating
+    the same global batches. Per call: the bytes this
+    rank's program sent by each collective kind, and whether any parameter's gradient changed
+    (it must not inside the window); at the end each parameter's relative error."""
+    mesh = options.get("mesh", {})
+    pp = mesh.get("pp", 1)
+    dp = mesh.get("dp", world // pp)
+    cfg = GPTConfig(**{**SMALL, "n_layer": 2 * pp}, tied_embeddings=tied)
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if pp > 1:
+        model.block_context = lambda: piper_fx.annotate("PP")
+    piper_fx.prepare(model, options)
+    opt = make_optimizer("sgd", model.parameters())
+    ref_opt = make_optimizer("sgd", reference.parameters())
+    compiled = torch.compile(model, backend="piper", options=options)
+    out: dict = {"comm_bytes": [], "grads_changed_in_window": [], "loss_errors": []}
+    per_rank = 2 * max(pp, 1)
+    for step in range(steps):
+        for call in range(calls):
+            x, y = global_batch(step * calls + call, per_rank * dp, cfg)
+            last = call == calls - 1
+            before = [None if p.grad is None else p.grad.full_tensor().clone() for p in model.parameters()]
+            if not window:
+                loss = compiled(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
+                (loss / calls).backward()
+            elif not last and context:
+                with piper_fx.no_sync(compiled):
+                    loss = compiled(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
+                    (loss / calls).backward()
+            else:
+                if not context:
+                    piper_fx.set_requires_gradient_sync(compiled, last)
+                loss = compiled(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
+                (loss / calls).backward()
+            stats = piper_fx.last_step_stats()
+            out["comm_bytes"].append({k: v for k, v in stats["comm_bytes"].items() if v})
+            if not last:
+                after = [None if p.grad is None else p.grad.full_tensor() for p in model.parameters()]
+                out["grads_changed_in_window"].append(any(
+                    (a is None) != (b is None) or (a is not None and not torch.equal(a, b))
+                    for a, b in zip(before, after)))
+            ref_loss = reference(x, y)
+            (ref_loss / calls).backward()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            mean /= world
+            out["loss_errors"].append(abs(mean.item() - ref_loss.item()) / abs(ref_loss.item()))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full, expected = piper_fx.full_state_dict(model), reference.state_dict()
+    out["param_errors"] = {name: relative_error(full[name], expected[name]) for name in expected}
+    return out
+
+
+def gradient_sync_worker(rank: int, world: int, configs: list[dict]) -> list[dict]:
+    results = []
+    for config in configs:
+        config = dict(config)
+        options = {"codegen": "eager", **config.pop("options")}
+        results.append(accumulate_and_train(rank, world, options, **config))
+        torch._dynamo.reset()
+    return results
+
+
+def experts_refused_worker(rank: int, world: int) -> str:
+    """The message a rank raises for `no_sync` under expert parallelism (ep 2 over dp 4)."""
+    options = {"mesh": {"dp": world, "ep": 2}, "codegen": "eager"}
+    cfg = GPTConfig(**SMALL, n_expert=4)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    for module in model.experts():
+        piper_fx.mark_experts(module)
+    model.expert_context = lambda: piper_fx.annotate("EP")
+    piper_fx.prepare(model, options)
+    compiled = torch.compile(model, backend="piper", options=options)
+    x, y = global_batch(0, 2, cfg)
+    try:
+        with piper_fx.no_sync(compiled):
+            compiled(x, y)
+    except piper_fx.PiperError as error:
+        return str(error)
+    finally:
+        torch._dynamo.reset()
+    return "not raised"

@@ -1,0 +1,120 @@
+"""Gradient accumulation without communication (`piper_fx.no_sync`, `set_requires_gradient_sync`):
+the calls of a window hold their gradients unreduced, the first call after reduces them once, and
+training equals single-process training on the same batches."""
+import pytest
+import torch
+
+import piper_fx
+from gradient_sync_workers import experts_refused_worker, gradient_sync_worker
+from ranks import run_ranks
+
+RTOL = 1e-5
+REDUCTIONS = ("all_reduce", "reduce_scatter")
+PIPELINE = {"mesh": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+TWO_RANKS = [
+    *({"options": {"zero": zero}} for zero in range(4)),
+    # Every call synchronizing: what one call's reductions send, for the window's to be compared with.
+    *({"options": {"zero": zero}, "window": False} for zero in range(4)),
+    {"options": {"zero": 2}, "context": False},  # FSDP2's set_requires_gradient_sync
+    {"options": {"zero": 1, "pipeline": {"microbatches": 2}}},  # ZeRO-1's once-a-step reduction
+]
+FOUR_RANKS = [
+    # A tied embedding read by both stages: its two reads' whole gradients summed across the stages.
+    {"options": {**PIPELINE, "zero": 3}},
+    {"options": {"mesh": {"pp": 2, "dp": 2}, "zero": 2,
+                 "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 4, "stages_per_rank": 2}}},
+    {"options": {"mesh": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "dualpipev", "microbatches": 4}}},
+    {"options": {"zero": 3, "codegen": "inductor"}, "tied": False},  # dp 4, the compiled code
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(gradient_sync_worker, 2, TWO_RANKS, deadline_s=300)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_ranks(gradient_sync_worker, 4, FOUR_RANKS, deadline_s=400)
+
+
+def _reductions(comm_bytes: dict) -> dict:
+    return {kind: n for kind, n in comm_bytes.items() if kind in REDUCTIONS}
+
+
+def _check_window(config: dict, rank: int, run: dict, calls: int = 3) -> None:
+    assert max(run["loss_errors"]) < RTOL, (config, rank, run["loss_errors"])
+    worst = max(run["param_errors"], key=run["param_errors"].get)
+    assert run["param_errors"][worst] < RTOL, (config, rank, worst, run["param_errors"][worst])
+    if config.get("window", True):
+        # Inside a window no parameter's gradient changes and no gradient is reduced; its last call reduces.
+        assert run["grads_changed_in_window"] == [False] * len(run["grads_changed_in_window"]), (config, rank)
+        for call, comm in enumerate(run["comm_bytes"]):
+            reduced = _reductions(comm)
+            assert bool(reduced) == (call % calls == calls - 1), (config, rank, call, run["comm_bytes"])
+
+
+def test_a_window_holds_its_gradients_and_trains_as_one_process(two_ranks):
+    for index, config in enumerate(TWO_RANKS):
+        for rank, ranks in enumerate(two_ranks):
+            _check_window(config, rank, ranks[index])
+
+
+def test_a_window_reduces_once_what_each_call_would_have_reduced(two_ranks):
+    # The window's one reduction sends what a synchronizing call sends: the same gradients, once.
+    for zero in range(4):
+        windowed, synced = (TWO_RANKS.index(c) for c in ({"options": {"zero": zero}},
+                                                         {"options": {"zero": zero}, "window": False}))
+        for rank, ranks in enumerate(two_ranks):
+            per_call = [_reductions(c) for c in ranks[synced]["comm_bytes"]]
+            assert all(c == per_call[0] and c for c in per_call), (zero, rank, per_call)
+            assert _reductions(ranks[windowed]["comm_bytes"][2]) == per_call[0], (zero, rank, ranks[windowed])
+
+
+def test_a_window_under_pipelines_and_compiled_code(four_ranks):
+    for index, config in enumerate(FOUR_RANKS):
+        for rank, ranks in enumerate(four_ranks):
+            _check_window(config, rank, ranks[index])
+
+
+def test_no_sync_with_expert_parallelism_is_refused_on_every_rank():
+    messages = run_ranks(experts_refused_worker, 4)
+    assert len(set(messages)) == 1, messages
+    assert "expert parallelism (ep=2)" in messages[0] and "microbatches" in messages[0], messages[0]
+
+
+def test_no_sync_takes_a_model():
+    with pytest.raises(piper_fx.PiperError, match="not a list"):
+        with piper_fx.no_sync([torch.nn.Linear(2, 2)]):
+            pass
+    with pytest.raises(piper_fx.PiperError, match="no parameters"):
+        piper_fx.set_requires_gradient_sync(torch.nn.ReLU(), False)
+    with pytest.raises(piper_fx.PiperError, match="is a bool"):
+        piper_fx.set_requires_gradient_sync(torch.nn.Linear(2, 2), 0)
+
+
+def test_one_replica_has_nothing_to_hold_back(monkeypatch):
+    # dp = 1 reduces nothing: calls in a window deliver their gradients as calls outside it do,
+    # and compile no second step.
+    from examples.gpt import GPT, GPTConfig
+    from training import SMALL, global_batch
+    import piper_fx.backend
+
+    compiles = []
+    compile_step = piper_fx.backend._compile
+    monkeypatch.setattr(piper_fx.backend, "_compile", lambda *a: compiles.append(a[2]) or compile_step(*a))
+
+    cfg = GPTConfig(**SMALL)
+    torch.manual_seed(0)
+    model, reference = GPT(cfg), GPT(cfg)
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="piper", options={"codegen": "eager"})
+    for call in range(2):
+        x, y = global_batch(call, 2, cfg)
+        with piper_fx.no_sync(compiled):
+            compiled(x, y).backward()
+        reference(x, y).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert [strategy.gradient_sync for strategy in compiles] == [True]
+    torch._dynamo.reset()
