@@ -43,7 +43,7 @@ from .runtime.held_gradients import GradientReduction
 from .runtime.step import CompiledStep
 from .schedules import svg, text_grid
 from .sharding.dtensor_params import parameter_records, stood_for
-from .sharding.mesh import dp_group_name, group_names
+from .sharding.mesh import dp_group_name, expert_replica_group_name, group_names
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.specs import placement_table
 from .sharding.units import find_units
@@ -445,7 +445,7 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
         numbers=returned_numbers(gm, call_sizes(gm, example_inputs)),
         holds=None if strategy.gradient_sync or strategy.dp == 1 else GradientReduction(
             strategy.zero, planned.dp_group, strategy.mixed_precision.reduction_dtype,
-            int(strategy.bucket_mb * 2**20)),
+            int(strategy.bucket_mb * 2**20), strategy.ep > 1, expert_replica_group_name(strategy)),
     )
 
 

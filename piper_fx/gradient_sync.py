@@ -22,10 +22,14 @@ and the collectives of the window's other calls are saved. ZeRO-3 still gathers
 its parameters in every call (FSDP2 too, without `reshard_after_backward=False`).
 
 Every rank of a data-parallel group must turn synchronization off and on at the
-same calls, as with DDP and FSDP2. A model's window is found from its parameters,
-whichever compiled frame or batch shape runs them; a model whose synchronization
-was never turned off pays nothing for this. Not with expert parallelism (ep > 1),
-whose expert gradients are averaged inside the experts' region.
+same calls, as with DDP and FSDP2, and on the model it compiled (or its compiled
+wrapper). A step finds its model's window from one of the model's parameters,
+whichever compiled frame or batch shape runs them (so a window set on a submodule
+alone is not its model's); a model whose synchronization was never turned off
+pays nothing for this. With expert parallelism (ep > 1) a block of experts' gradient
+is summed over its ep group's tokens in every call, as without a window (that is
+the experts' computation, not their synchronization), and averaged over the ranks
+holding the same block at the window's end.
 """
 from __future__ import annotations
 
@@ -74,11 +78,6 @@ class SyncWindow:
 
 def unsynced(strategy: Strategy) -> Strategy:
     """`strategy` planned without gradient reductions, for the calls of a window."""
-    if strategy.ep > 1:
-        raise PiperError("piper_fx: gradient synchronization cannot be turned off with expert parallelism "
-                         f"(ep={strategy.ep}): its experts' gradients are averaged over their replicas inside "
-                         "the experts' region; accumulate over microbatches of one call instead "
-                         "(pipeline.microbatches)")
     return replace(strategy, gradient_sync=False)
 
 
@@ -102,6 +101,7 @@ def _window(model: nn.Module) -> SyncWindow:
     windows = {id(w): w for w in (_WINDOWS.get(p) for p in parameters) if w is not None}
     window = next(iter(windows.values())) if len(windows) == 1 else SyncWindow()
     if len(windows) > 1:  # parts set before one by one: the model's is now one window
+        window.requires_sync = all(other.requires_sync for other in windows.values())
         for other in windows.values():
             for parameter, grad in other.held.items():
                 window.hold(parameter, grad)

@@ -11,23 +11,27 @@ from training import SMALL, global_batch, make_optimizer, relative_error
 
 
 def accumulate_and_train(rank: int, world: int, options: dict, calls: int = 3, steps: int = 2,
-                         context: bool = True, tied: bool = True, window: bool = True) -> dict:
-    """`steps` optimizer steps of `calls` calls each, every call's loss scaled by 1/calls, all but
-    the last with synchronization off (`no_sync`, or `set_requires_gradient_sync` where `context`
-    is False; every call synchronizing where `window` is False), against one model accumulating
-    the same global batches. Per call: the bytes this
-    rank's program sent by each collective kind, and whether any parameter's gradient changed
-    (it must not inside the window); at the end each parameter's relative error."""
+                         context: bool = True, tied: bool = True, window: bool = True, experts: int = 0) -> dict:
+    """`steps` SGD steps of `calls` calls each, every call's loss scaled by 1/calls, all but the
+    last with synchronization off (`no_sync`, or `set_requires_gradient_sync` where `context` is
+    False; every call synchronizing where `window` is False), against one model accumulating the
+    same global batches; with `experts`, the GPT's mixture of experts shared out over `mesh.ep`.
+    Per call: the bytes this rank sent by each collective kind, and whether any parameter's
+    gradient changed (it must not inside the window); at the end each parameter's relative error."""
     mesh = options.get("mesh", {})
     pp = mesh.get("pp", 1)
     dp = mesh.get("dp", world // pp)
-    cfg = GPTConfig(**{**SMALL, "n_layer": 2 * pp}, tied_embeddings=tied)
+    cfg = GPTConfig(**{**SMALL, "n_layer": 2 * pp}, tied_embeddings=tied, n_expert=experts)
     torch.manual_seed(0)
     reference = GPT(cfg)
     torch.manual_seed(0)
     model = GPT(cfg)
     if pp > 1:
         model.block_context = lambda: piper_fx.annotate("PP")
+    if experts:
+        for module in model.experts():
+            piper_fx.mark_experts(module)
+        model.expert_context = lambda: piper_fx.annotate("EP")
     piper_fx.prepare(model, options)
     opt = make_optimizer("sgd", model.parameters())
     ref_opt = make_optimizer("sgd", reference.parameters())
@@ -82,24 +86,3 @@ def gradient_sync_worker(rank: int, world: int, configs: list[dict]) -> list[dic
         torch._dynamo.reset()
     return results
 
-
-def experts_refused_worker(rank: int, world: int) -> str:
-    """The message a rank raises for `no_sync` under expert parallelism (ep 2 over dp 4)."""
-    options = {"mesh": {"dp": world, "ep": 2}, "codegen": "eager"}
-    cfg = GPTConfig(**SMALL, n_expert=4)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    for module in model.experts():
-        piper_fx.mark_experts(module)
-    model.expert_context = lambda: piper_fx.annotate("EP")
-    piper_fx.prepare(model, options)
-    compiled = torch.compile(model, backend="piper", options=options)
-    x, y = global_batch(0, 2, cfg)
-    try:
-        with piper_fx.no_sync(compiled):
-            compiled(x, y)
-    except piper_fx.PiperError as error:
-        return str(error)
-    finally:
-        torch._dynamo.reset()
-    return "not raised"

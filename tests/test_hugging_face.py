@@ -243,12 +243,14 @@ SCHEDULE_MICROBATCHES = {"gpipe": 2, "1f1b": 2, "interleaved_1f1b": 2, "zb1p": 2
 
 
 @st.composite
-def hf_cases(draw) -> tuple[str, int, dict, bool, bool, list[int] | None, bool]:
+def hf_cases(draw) -> tuple[str, int, dict, bool, bool, list[int] | None, bool, bool]:
     """A Hugging Face model, a strategy over 2 ranks (data parallel at a ZeRO level, or a
     pipeline schedule) or 4 (both), whether the batch is padded, whether the model is built on
     the meta device (then prepared, materialized and loaded), the steps' sequence lengths
-    where they change (a step compiled for each), all replicas' or each one's, and whether the
-    model is compiled itself (returning its `ModelOutput`) or a module returning its loss."""
+    where they change (a step compiled for each), all replicas' or each one's, whether the
+    model is compiled itself (returning its `ModelOutput`) or a module returning its loss, and
+    whether the first step's gradients accumulate into the second's without synchronization
+    (`piper_fx.no_sync`)."""
     codegen = "inductor" if draw(st.integers(1, 6)) == 1 else "eager"
     options = {"codegen": codegen, "bucket_mb": draw(st.sampled_from((25.0, 0.001))), "overlap": draw(st.booleans()),
                "activation_checkpointing": {"mode": draw(st.sampled_from(("none", "full", "selective")))}}
@@ -266,7 +268,7 @@ def hf_cases(draw) -> tuple[str, int, dict, bool, bool, list[int] | None, bool]:
         apart = [[LLAMA_SEQ] * dp, [LLAMA_SEQ - 4] + [LLAMA_SEQ] * (dp - 1), [LLAMA_SEQ] + [LLAMA_SEQ - 4] * (dp - 1)]
         lengths = apart if dp > 1 else [LLAMA_SEQ, LLAMA_SEQ - 4, LLAMA_SEQ]
     return (draw(st.sampled_from(sorted(HUGGING_FACE))), world, options, draw(st.booleans()), draw(st.booleans()),
-            lengths, draw(st.booleans()))
+            lengths, draw(st.booleans()), draw(st.booleans()))
 
 
 @settings(max_examples=HF_EXAMPLES or 6, derandomize=not HF_EXAMPLES, database=None, deadline=None,
@@ -276,14 +278,14 @@ def hf_cases(draw) -> tuple[str, int, dict, bool, bool, list[int] | None, bool]:
 def test_generated_strategies_train_hugging_face_models_as_one_process_does(case):
     """Within 1e-5 of one process's losses and parameters (of each one's largest value, the
     strategy tests' bound): microbatches and ranks sum a batch's rows otherwise than one process."""
-    name, world, options, pad, on_meta, lengths, itself = case
+    name, world, options, pad, on_meta, lengths, itself, unsynced = case
     print(name, world, options, "padded" if pad else "", "on meta" if on_meta else "", lengths or "",
-          "itself" if itself else "")
+          "itself" if itself else "", "unsynced" if unsynced else "")
     # A padded batch's pairs of rows hold as many tokens each: two rows a microbatch keep the
     # microbatches' mean loss the batch's.
     rows = 2 * options["pipeline"]["microbatches"] if "pipeline" in options else 4
     _check_parity(run_ranks(hf_parity_worker, world, name, options, 3, rows, pad, False, on_meta, lengths,
-                            itself, deadline_s=400), param_error=1e-5)
+                            itself, (0,) if unsynced else (), deadline_s=400), param_error=1e-5)
 
 
 def test_a_multi_output_op_at_a_stage_boundary_stays_with_its_parts():

@@ -921,7 +921,8 @@ def frozen_worker(rank: int, world: int, options: dict, pp_regions: bool) -> dic
 
 def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int = 3, rows: int = 4,
                      pad: bool = False, checkpointed: bool = False, on_meta: bool = False,
-                     lengths: list[int | list[int]] | None = None, itself: bool = False) -> dict:
+                     lengths: list[int | list[int]] | None = None, itself: bool = False,
+                     unsynced_steps: tuple[int, ...] = ()) -> dict:
     """A tiny Hugging Face model (`HUGGING_FACE[name]` or `EAGER_CODE_ONLY[name]`) trained with
     piper_fx on this rank's shard of `rows` rows a replica against one copy on the global batch
     (SGD with momentum): relative errors of the losses, and the parameters (by name) whose
@@ -938,7 +939,9 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
     stepping on the mean of the replicas' losses, as DDP trains on them. With `itself`, the
     compiled module is the model itself, called with keywords and returning its `ModelOutput`
     (with its key and value cache on, as its config has it: Dynamo returns the cache's tensors
-    before the loss), whose loss trains."""
+    before the loss), whose loss trains. The steps in `unsynced_steps` accumulate their
+    gradients into the next: piper_fx's call runs in `piper_fx.no_sync` of the model, and
+    neither side steps its optimizer after it."""
     build = HUGGING_FACE.get(name) or EAGER_CODE_ONLY[name]
     torch.manual_seed(0)
     reference = build()
@@ -981,10 +984,12 @@ def hf_parity_worker(rank: int, world: int, name: str, options: dict, steps: int
             batch = tuple(t[:, :length].contiguous() for t in batch) if length else batch
             batch = padded(*batch) if pad else batch
             parts = list(zip(*(t.chunk(dp) for t in batch)))
-        loss = step(*parts[rank % dp])
-        ref_loss = sum(LossOf(reference)(*part) for part in parts) / dp if isinstance(length, list) \
-            else LossOf(reference)(*batch)
-        loss_errors.append(_step_both(loss, opt, ref_loss, ref_opt, world))
+        unsynced = i in unsynced_steps
+        with piper_fx.no_sync(compiled or model) if unsynced else contextlib.nullcontext():
+            loss = step(*parts[rank % dp])
+            ref_loss = sum(LossOf(reference)(*part) for part in parts) / dp if isinstance(length, list) \
+                else LossOf(reference)(*batch)
+            loss_errors.append(_step_both(loss, opt, ref_loss, ref_opt, world, stepping=not unsynced))
     return _parity(compiled or model, reference, loss_errors)
 
 
@@ -1038,13 +1043,15 @@ def without_cache(model: nn.Module) -> None:
             config.use_cache = False
 
 
-def _step_both(loss: torch.Tensor, opt, ref_loss: torch.Tensor, ref_opt, world: int) -> float:
-    """Step the trained model and the reference on their losses: the relative error of the
-    replicas' mean loss."""
+def _step_both(loss: torch.Tensor, opt, ref_loss: torch.Tensor, ref_opt, world: int,
+               stepping: bool = True) -> float:
+    """Step the trained model and the reference on their losses (or, not `stepping`, only
+    accumulate their gradients): the relative error of the replicas' mean loss."""
     for each, optimizer in ((loss, opt), (ref_loss, ref_opt)):
         each.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        if stepping:
+            optimizer.step()
+            optimizer.zero_grad()
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss)
     return abs(mean_loss.item() / world - ref_loss.item()) / abs(ref_loss.item())

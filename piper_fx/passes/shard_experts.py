@@ -16,7 +16,9 @@ single-device graph computes, with the experts shared out over the ep group:
     rank (no communication); its gradient is folded back to the block (summed
     over sources) and, when the block is replicated over dp/ep groups,
     averaged over them (`Partial(avg)` -> `Replicate()` over the replicas;
-    once per step with several microbatches, as DDP).
+    once per step with several microbatches, as DDP; not without gradient
+    synchronization, `strategy.gradient_sync` False, whose step averages the
+    window's sum at its end, `runtime.held_gradients`).
   - Every other tensor crossing a region's boundary, in either direction and
     in forward and backward alike, is re-sharded over the ep group: its dim
     0's ep equal blocks go from `Shard(0)` to `Shard(1)` of the group's block
@@ -77,7 +79,7 @@ def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> set[fx.Node]:
                 graph, functools.partial(fold_expert_grad, group_size=strategy.ep), [source], before=marker,
                 like=marker, decompositions=decompositions))
             grad_nodes |= added
-            if replicas is not None:
+            if replicas is not None and strategy.gradient_sync:  # else held unreduced (`piper_fx.no_sync`)
                 phase = {PHASE: STEP_END} if strategy.microbatches > 1 else {}
                 new, added = _inserted(graph, lambda: state_redistribution(
                     graph, new, AVG, Replicate(), group_name=replicas, group_size=strategy.dp // strategy.ep,

@@ -8,7 +8,10 @@ strategy's program reduces gradients (`passes.reduce_gradients`), in the same
 arithmetic (`collectives.lowering`, `collectives.buckets`), averaged over the
 parameter's data-parallel group in the policy's reduction dtype: a replicated
 parameter's (ZeRO-0, 0-d ones at any level) all-reduced; a row-sharded one's
-all-reduced and this rank's rows kept at ZeRO-1, reduce-scattered at ZeRO-2/3.
+all-reduced and this rank's rows kept at ZeRO-1, reduce-scattered at ZeRO-2/3; a
+block of experts (ep > 1), already summed over the tokens of its ep group in the
+program (`passes.shard_experts`), all-reduced over the ranks holding the same
+block, if others do.
 Tensors of a kind and dtype go in buckets of at most `bucket_mb`, in the step's
 order of its gradients, the same on every rank of the group. What each gives is the
 program's form of the parameter's gradient (a row shard's padded rows), which the
@@ -24,11 +27,13 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from ..collectives.buckets import FLAT_BUCKET
 from ..collectives.lowering import pad_rows
 from ..compat import resolve_process_group
+from ..sharding.experts import is_expert_parameter
 
 _c10d = torch.ops._c10d_functional
 
@@ -37,12 +42,15 @@ _c10d = torch.ops._c10d_functional
 class GradientReduction:
     """How a strategy reduces gradients: ZeRO's level, the data-parallel group of parameters
     that are not DTensors (a model compiled without `prepare`), the reduction dtype (None:
-    each gradient's own) and the bucket size."""
+    each gradient's own), the bucket size, whether experts are shared out (ep > 1), and the
+    group of ranks holding the same block of experts (None: none other)."""
 
     zero: int
     dp_group: str
     reduce_dtype: torch.dtype | None
     bucket_bytes: int
+    experts_shared: bool = False
+    expert_replicas: str | None = None
 
     def held(self, grad: torch.Tensor) -> torch.Tensor:
         """A call's gradient as the window holds it: in the reduction dtype, as FSDP2 accumulates
@@ -54,37 +62,61 @@ class GradientReduction:
     def __call__(self, parameters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                  sent: dict[str, int]) -> list[torch.Tensor]:
         """Each of `grads` (whole, unreduced) reduced for its parameter, in the program's form;
-        the bytes this rank sent are added to `sent` by collective kind."""
-        pieces = [_Piece.of(p, g, self) for p, g in zip(parameters, grads)]
-        out: list[torch.Tensor | None] = [None] * len(pieces)
-        bucket: list[int] = []
+        the bytes this rank sent are added to `sent` by collective kind. Every bucket's
+        collective is issued before the first is waited for."""
+        pieces = [self._piece(p, g) for p, g in zip(parameters, grads)]
+        buckets: list[list[int]] = []
+        filled = 0
         for index, piece in enumerate(pieces):
-            if bucket and (not piece.joins(pieces[bucket[0]]) or
-                           sum(pieces[i].bytes for i in bucket) + piece.bytes > self.bucket_bytes):
-                self._reduce([pieces[i] for i in bucket], bucket, out, sent)
-                bucket = []
-            bucket.append(index)
-        if bucket:
-            self._reduce([pieces[i] for i in bucket], bucket, out, sent)
+            if not buckets or not piece.joins(pieces[buckets[-1][0]]) or filled + piece.bytes > self.bucket_bytes:
+                buckets.append([])
+                filled = 0
+            buckets[-1].append(index)
+            filled += piece.bytes
+        issued = [(bucket, _issue([pieces[i] for i in bucket], sent)) for bucket in buckets]
+        out: list[torch.Tensor | None] = [None] * len(pieces)
+        for bucket, reduced in issued:
+            reduced, offset = _c10d.wait_tensor(reduced), 0
+            for index in bucket:
+                piece = pieces[index]
+                size = piece.grad.numel() // piece.rows
+                out[index] = piece.result(reduced.narrow(0, offset, size))
+                offset += size
         return out
 
-    @staticmethod
-    def _reduce(pieces: list["_Piece"], indices: list[int], out: list, sent: dict[str, int]) -> None:
-        first = pieces[0]
-        rows = first.group_size if first.scatters else 1
-        flat = FLAT_BUCKET([p.grad for p in pieces], rows, first.dtype)
-        kind = "reduce_scatter" if first.scatters else "all_reduce"
-        sent[kind] = sent.get(kind, 0) + flat.numel() * flat.element_size()
-        if first.scatters:
-            reduced = _c10d.reduce_scatter_tensor(flat, "avg", first.group_size, first.group_name)
+    def _piece(self, parameter: torch.Tensor, grad: torch.Tensor) -> "_Piece":
+        """How `grad`, held for `parameter`, is reduced."""
+        dtype = self.reduce_dtype if self.reduce_dtype is not None and grad.is_floating_point() else grad.dtype
+        flat = grad.reshape(1) if grad.dim() == 0 else grad
+        # A block of experts: known by the parameter, as its ep group may be the very ranks of dp.
+        if self.experts_shared and is_expert_parameter(parameter):
+            group = resolve_process_group(self.expert_replicas) if self.expert_replicas is not None else None
+            return _Piece(flat.contiguous(), grad.shape, dtype, parameter.dtype, group, None,
+                          "all_reduce" if group is not None else None)
+        if isinstance(parameter, DTensor):
+            group = parameter.device_mesh.get_group()
         else:
-            reduced = _c10d.all_reduce(flat, "avg", first.group_name)
-        reduced = _c10d.wait_tensor(reduced)
-        offset = 0
-        for index, piece in zip(indices, pieces):
-            size = piece.grad.numel() // rows
-            out[index] = piece.result(reduced.narrow(0, offset, size))
-            offset += size
+            group = resolve_process_group(self.dp_group)
+        if not (isinstance(parameter, DTensor) and parameter.dim() > 0 and isinstance(parameter.placements[0], Shard)):
+            return _Piece(flat.contiguous(), grad.shape, dtype, parameter.dtype, group, None, "all_reduce")
+        shard_rows = -(-parameter.shape[0] // group.size())
+        if self.zero >= 2:
+            flat = pad_rows(flat, shard_rows * group.size())
+            return _Piece(flat.contiguous(), grad.shape, dtype, parameter.dtype, group, shard_rows, "reduce_scatter")
+        return _Piece(flat.contiguous(), grad.shape, dtype, parameter.dtype, group, shard_rows, "all_reduce")
+
+
+def _issue(pieces: list["_Piece"], sent: dict[str, int]) -> torch.Tensor:
+    """Start the collective of a bucket of `pieces` (of one kind, group and dtype); return its
+    result, to wait for (the bucket itself where it has none: a block no other rank holds)."""
+    first = pieces[0]
+    flat = FLAT_BUCKET([p.grad for p in pieces], first.rows, first.dtype)
+    if first.kind is None:
+        return flat
+    sent[first.kind] = sent.get(first.kind, 0) + flat.numel() * flat.element_size()
+    if first.kind == "reduce_scatter":
+        return _c10d.reduce_scatter_tensor(flat, "avg", first.group.size(), first.group.group_name)
+    return _c10d.all_reduce(flat, "avg", first.group.group_name)
 
 
 @dataclass
@@ -92,31 +124,17 @@ class _Piece:
     """One gradient to reduce: over which group, by which collective, in which dtype."""
 
     grad: torch.Tensor  # as the bucket takes it: rows padded to the group's where it scatters
-    shape: torch.Size  # the parameter's whole shape
+    shape: torch.Size  # the gradient's whole shape
     dtype: torch.dtype  # the reduction's
     out_dtype: torch.dtype  # the parameter's
-    group_name: str
-    group_size: int
-    group_rank: int
-    shard_rows: int | None  # a row shard's padded rows; None for a replica
-    scatters: bool  # reduce-scattered (ZeRO-2/3's row shards), else all-reduced
+    group: dist.ProcessGroup | None
+    shard_rows: int | None  # a row shard's padded rows; None for a replica or a block of experts
+    kind: str | None  # "reduce_scatter" (ZeRO-2/3's row shards), "all_reduce", or None: kept as it is
 
-    @staticmethod
-    def of(parameter: torch.Tensor, grad: torch.Tensor, reduction: GradientReduction) -> "_Piece":
-        sharded = isinstance(parameter, DTensor) and parameter.dim() > 0 and isinstance(parameter.placements[0], Shard)
-        if isinstance(parameter, DTensor):
-            group = parameter.device_mesh.get_group()
-        else:
-            group = resolve_process_group(reduction.dp_group)
-        size = group.size()
-        dtype = reduction.reduce_dtype if reduction.reduce_dtype is not None and grad.is_floating_point() else grad.dtype
-        shard_rows = -(-parameter.shape[0] // size) if sharded else None
-        scatters = sharded and reduction.zero >= 2
-        flat = grad.reshape(1) if grad.dim() == 0 else grad
-        if scatters:
-            flat = pad_rows(flat, shard_rows * size)
-        return _Piece(flat.contiguous(), grad.shape, dtype, parameter.dtype, group.group_name, size, group.rank(),
-                      shard_rows, scatters)
+    @property
+    def rows(self) -> int:
+        """The rows of its bucket's flat buffer: one a rank of the group where it scatters."""
+        return self.group.size() if self.kind == "reduce_scatter" else 1
 
     @property
     def bytes(self) -> int:
@@ -124,15 +142,15 @@ class _Piece:
 
     def joins(self, first: "_Piece") -> bool:
         """Whether this goes in the bucket `first` began."""
-        return (self.scatters, self.group_name, self.dtype) == (first.scatters, first.group_name, first.dtype)
+        return (self.kind, self.group, self.dtype) == (first.kind, first.group, first.dtype)
 
     def result(self, reduced: torch.Tensor) -> torch.Tensor:
         """The parameter's gradient in the program's form, from its part of the bucket's result."""
-        if self.scatters:
+        if self.kind == "reduce_scatter":
             piece = reduced.view(self.shard_rows, *self.shape[1:])
         elif self.shard_rows is not None:  # ZeRO-1: the whole gradient averaged; this rank's rows
-            whole = pad_rows(reduced.view(self.shape), self.shard_rows * self.group_size)
-            piece = whole.narrow(0, self.group_rank * self.shard_rows, self.shard_rows)
+            whole = pad_rows(reduced.view(self.shape), self.shard_rows * self.group.size())
+            piece = whole.narrow(0, self.group.rank() * self.shard_rows, self.shard_rows)
             return piece.to(self.out_dtype, copy=True)  # not a view that keeps the whole gradient
         else:
             piece = reduced.view(self.shape)
