@@ -79,7 +79,8 @@ def last_step_stats() -> dict:
       it they count as compute;
     - `comm_bytes`: bytes this rank contributes per collective kind
       (`all_gather`, `reduce_scatter`, `all_reduce`, `all_to_all`) and sent
-      point to point (`send`);
+      point to point (`send`), with, at the last call of a `piper_fx.no_sync`
+      window, those of the window's reduction (once its backward ran);
     - `peak_activation_bytes`: the most bytes of per-microbatch values the
       program made (activations saved for backward, received tensors) held at once;
     - `memory`: where this rank's memory went at the step's peak, in bytes: its
@@ -88,7 +89,8 @@ def last_step_stats() -> dict:
       `communication_buffers`, `task_temporaries`. Counted value by value as the
       program runs, on its runs until two in a row count the same (a program makes
       the same values every step), and from then on that count with what the step
-      holds now (parameters, optimizer state, earlier gradients); what a task holds
+      holds now (parameters, optimizer state, earlier gradients, with those a
+      `piper_fx.no_sync` window holds); what a task holds
       inside itself is estimated from its graph;
     - `instructions`: the program's length; `p2p_batches`: how many
       `dist.batch_isend_irecv` calls its sends and receives went out in (each
