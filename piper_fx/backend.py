@@ -413,9 +413,13 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
     dump.write("schedule.txt", text_grid(planned.schedule))
     dump.write("schedule.svg", svg(planned.schedule))
     parameters = [arguments[i.arg_index] for i in planned.inputs if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)]
-    compiled = compile_program(program, strategy.codegen, dump, stats, time_waits=strategy.profile, warmed=warming,
-                               fewest=fewest_regions(strategy.regions, device),
-                               together=together)
+    # The executor reads what it needs of the task graphs (the bytes of their collectives, their
+    # memory) before code generation: Inductor rewrites a graph it compiles in place, which only
+    # the rank compiling a task does (`codegen.shared`), and a cache hit does not.
+    executor = ProgramExecutor(program, {}, device)
+    executor.compiled = compile_program(program, strategy.codegen, dump, stats, time_waits=strategy.profile,
+                                        warmed=warming, fewest=fewest_regions(strategy.regions, device),
+                                        together=together)
     compiled_for = compiled_for or set()
     compiled_for.add(batch_key(batches))
     _COMPILED.update((p, compiled_for) for p in parameters)
@@ -432,7 +436,7 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
     specs = {i.arg_index: arguments[i.arg_index]._spec for i in planned.inputs
              if i.role in HELD_ROLES and isinstance(arguments[i.arg_index], DTensor)}
     return CompiledStep(
-        ProgramExecutor(program, compiled, device), planned.inputs, planned.outputs,
+        executor, planned.inputs, planned.outputs,
         seed_shape, seed_dtype, seed_device,
         num_user_outputs,
         {i.arg_index: tuple(arguments[i.arg_index].shape) for i in planned.inputs

@@ -185,12 +185,12 @@ def test_memory_counted_until_two_runs_agree_is_what_counting_every_run_reports(
 def test_under_inductor_every_rank_counts_the_collectives_of_its_program():
     """Found adding `no_sync`: Inductor rewrites the graph it compiles in place (piper_fx's
     `KeepCollectiveOrder` wraps each collective in a `control_deps`), and it was given the task's
-    own graph, from which the executor then counts the bytes each collective sends. The rank
+    own graph, from which the executor then counted the bytes each collective sends. The rank
     that compiled a task counted none of that task's collectives, the rank that loaded its code
-    (`codegen.shared`) all of them: at ZeRO-3 rank 0 reported no reduce-scatter at all. Inductor
-    now compiles a copy; every rank counts the same bytes, its reduce-scatters those of eager code
-    (its all-gathers may differ: Inductor's decompositions give another graph). Compiled without
-    Inductor's caches, as a hit skips the passes that rewrote the graph."""
+    (`codegen.shared`) all of them: at ZeRO-3 rank 0 reported no reduce-scatter at all. The
+    executor now reads the graphs before they are compiled; every rank counts the same bytes, its
+    reduce-scatters those of eager code (its all-gathers may differ: Inductor's decompositions give
+    another graph). Compiled without Inductor's caches, as a hit skips the passes that rewrite."""
     eager = run_ranks(stats_worker, 2, {"zero": 3, "codegen": "eager"}, 1)
     inductor = run_ranks(stats_worker, 2, {"zero": 3, "codegen": "inductor", "regions": True}, 1, False)
     counted = [run["stats"][0]["comm_bytes"] for run in inductor]

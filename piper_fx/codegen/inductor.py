@@ -6,7 +6,6 @@ The FX graph cache (TORCHINDUCTOR_CACHE_DIR) is shared across ranks and runs.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import os
 import platform
@@ -173,11 +172,9 @@ def compile_task(task: Task, time_waits: bool = False):
         if has_collectives else {}
     with tracing(TracingContext(fake_mode)), inductor_config.patch(reorder_for_peak_memory=not has_collectives,
                                                                    layout_optimization=False, **ordered):
-        # On a copy: Inductor's passes rewrite the graph they compile in place (ours above wraps
-        # each collective in a `control_deps`), and the task keeps its graph for the executor to
-        # read what it needs (the bytes of its collectives, `RankProgram.communication_bytes`),
-        # the same on the rank that compiles the task and the ranks that load it (`codegen.shared`).
-        compiled = compile_fx_inner(fx.GraphModule(task.graph, copy.deepcopy(task.graph.graph)), example_inputs)
+        # Inductor's passes rewrite the graph they compile in place (ours above wraps each
+        # collective in a `control_deps`): what the runtime reads of a task's graph is read before.
+        compiled = compile_fx_inner(task.graph, example_inputs)
     source = getattr(compiled, "source_code", None) or task.graph.code
     compiled = _laying_out_inputs(compiled, example_inputs)
     if time_waits and has_waits(task):

@@ -156,8 +156,10 @@ class ProgramExecutor:
     """Runs one rank's program; each value is dropped after the last instruction that reads it.
 
     What it needs of the tasks' graphs (the bytes each collective moves, each task's memory
-    peak, the dtype and device each value was compiled for) it reads when it is made; it then
-    keeps the program without them (`RankProgram.without_graphs`): the compiled tasks run."""
+    peak, the dtype and device each value was compiled for) it reads when it is made, which
+    may be before its tasks are compiled (`compiled` set then: Inductor rewrites the graphs it
+    compiles); it then keeps the program without them (`RankProgram.without_graphs`): the
+    compiled tasks run."""
 
     def __init__(self, program: RankProgram, compiled: dict[str, Callable[[list], Sequence[torch.Tensor]]],
                  device: torch.device | None = None):
