@@ -23,7 +23,6 @@ import dataclasses
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -35,10 +34,9 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor_cache"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import piper_fx  # noqa: E402
-from compare import CFG, _results_or_failure, adamw, batch, ddp, fsdp2, piper  # noqa: E402
+from compare import CFG, adamw, batch, ddp, fsdp2, piper, spawn_ranks  # noqa: E402
 from examples.gpt import GPT  # noqa: E402
 
 
@@ -148,17 +146,7 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=128)
     args = parser.parse_args()
     args.cfg = dataclasses.replace(CFG, n_layer=args.n_layer, n_embd=args.n_embd)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=run, args=(r, args.nproc, init_file, args, results), name=f"rank {r}")
-                 for r in range(args.nproc)]
-        for p in procs:
-            p.start()
-        rows = _results_or_failure(results, procs)
-        for p in procs:
-            p.join()
+    rows = spawn_ranks(run, args.nproc, args)
     print(f"{args.nproc} ranks, GPT {args.n_layer}x{args.n_embd}, {args.per_rank_batch} sequences a rank and call, "
           f"{args.calls} calls a window, {args.codegen}; median of {args.rounds} rounds of {args.windows} windows")
     print("| pair | side | ms a window (spread) | / piper no_sync | loss |")

@@ -359,7 +359,7 @@ def run(rank: int, world: int, init_file: str, args, results) -> None:
         if args.only and not any(word in name for word in args.only):
             continue
         kinds = list(native)
-        caches = [os.path.join(args.cache_root, f"pair{index}_{side}") for side in ("piper", *kinds)]
+        caches = [os.path.join(args.tmp_dir, "inductor_caches", f"pair{index}_{side}") for side in ("piper", *kinds)]
         measured = measure_pair((ours, *native.values()), cfg, caches, args.steps, args.rounds, rank, world,
                                 args.per_rank_batch, dp, args.adamw)
         everyone: list = [None] * world
@@ -388,6 +388,24 @@ def _results_or_failure(results, procs):
                 sys.exit(f"{failed[0].name} failed with exit code {failed[0].exitcode}")
 
 
+def spawn_ranks(target, nproc: int, args):
+    """Rank 0's results of `target(rank, nproc, init_file, args, results)` run on `nproc` spawned
+    ranks (it puts them in `results`), with `args.tmp_dir` a directory that lasts the run; if a
+    rank dies first, the others are stopped and the run exits naming it."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        args.tmp_dir = tmp
+        procs = [ctx.Process(target=target, args=(r, nproc, os.path.join(tmp, "rdv"), args, results),
+                             name=f"rank {r}") for r in range(nproc)]
+        for p in procs:
+            p.start()
+        rows = _results_or_failure(results, procs)
+        for p in procs:
+            p.join()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2)
@@ -405,17 +423,7 @@ def main() -> None:
                              "parameter and op where parameters are DTensors)")
     args = parser.parse_args()
     args.cfg = dataclasses.replace(CFG, n_layer=args.n_layer, n_embd=args.n_embd)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        args.cache_root = os.path.join(tmp, "inductor_caches")
-        procs = [ctx.Process(target=run, args=(r, args.nproc, os.path.join(tmp, "rdv"), args, results))
-                 for r in range(args.nproc)]
-        for p in procs:
-            p.start()
-        rows = _results_or_failure(results, procs)
-        for p in procs:
-            p.join()
+    rows = spawn_ranks(run, args.nproc, args)
     tokens = args.per_rank_batch * args.nproc * CFG.block_size
     print(f"{args.nproc} CPU ranks (gloo), GPT {args.n_layer}x{args.n_embd} (pipelines: one block per stage), "
           f"{tokens} tokens/step, {args.rounds} rounds of {args.steps} steps after {WARMUP} warm-up, piper_fx "
