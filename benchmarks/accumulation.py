@@ -128,7 +128,8 @@ def run(rank: int, world: int, init_file: str, args, results) -> None:
                              "loss": loss.item() / world})
         everyone: list = [None] * world
         dist.all_gather_object(everyone, measured)
-        rows.append((name, [{**m, "window_s": max(e[i]["window_s"] for e in everyone)} for i, m in enumerate(measured)]))
+        slowest = [{**m, "window_s": max(e[i]["window_s"] for e in everyone)} for i, m in enumerate(measured)]
+        rows.append((name, slowest))
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()

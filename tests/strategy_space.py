@@ -42,10 +42,9 @@ class Case:
     resized: bool = False
     frozen: bool = False  # two parameters frozen before `prepare` on both sides (`train_and_compare`)
     # The first step's gradients accumulated into the second's without synchronization (`piper_fx.no_sync`).
-    # Drawn with SGD alone: a sum of two steps'
-    # gradients has components near zero, whose rounding AdamW's normalisation turns into steps of
-    # 1e-5 relative (pp4 interleaved 1F1B, one replica, where a window changes nothing: 4.5e-5 with
-    # AdamW, 3e-7 with SGD, against one process accumulating the same).
+    # Drawn with SGD alone: a sum of two steps' gradients has components near zero, whose rounding
+    # AdamW's normalisation turns into steps of 1e-5 relative (pp4 interleaved 1F1B, one replica, where
+    # a window changes nothing: 4.5e-5 with AdamW, 3e-7 with SGD, against one process accumulating the same).
     unsynced: bool = False
 
     @property
@@ -140,7 +139,8 @@ def cases(draw) -> Case:
                 bucket_mb=draw(st.sampled_from((25.0, 0.001))), overlap=draw(st.booleans()),
                 prefetch=draw(st.sampled_from((0, 1, 2))), optimizer=optimizer,
                 checkpointing=draw(st.sampled_from(("none", "full", "selective"))), on_meta=draw(st.booleans()),
-                resized=draw(st.booleans()), frozen=draw(st.booleans()), unsynced=optimizer == "sgd" and draw(st.booleans()))
+                resized=draw(st.booleans()), frozen=draw(st.booleans()),
+                unsynced=optimizer == "sgd" and draw(st.booleans()))
 
 
 def train_case(rank: int, world: int, case: Case) -> dict:

@@ -163,7 +163,8 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
         lx, ly = parts[rank % dp]
         unsynced = i in unsynced_steps
         with piper_fx.no_sync(step) if unsynced else contextlib.nullcontext():
-            loss = step(**dict(zip(inspect.signature(model.forward).parameters, (lx, ly)))) if keywords else step(lx, ly)
+            named = dict(zip(inspect.signature(model.forward).parameters, (lx, ly)))
+            loss = step(**named) if keywords else step(lx, ly)
             loss.backward()
         ref_loss = reference(x, y) if len(set(replica_rows)) == 1 else sum(reference(*part) for part in parts) / dp
         ref_loss.backward()
