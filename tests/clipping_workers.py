@@ -12,7 +12,7 @@ from examples.gpt import GPT, GPTConfig
 from piper_fx.clipping import clip_grad_norm_
 from piper_fx.compat import resolve_process_group
 from piper_fx.sharding.holdings import held_parameters
-from training import SMALL, global_batch, local, make_optimizer, relative_error
+from training import SMALL, global_batch, local, make_optimizer, mark_regions, relative_error
 
 
 def _reference_rows(holding, reference_grad: torch.Tensor, rows: int) -> torch.Tensor:
@@ -37,13 +37,7 @@ def clip_and_train(rank: int, world: int, options: dict, max_norm: float, norm_t
     torch.manual_seed(0)
     reference = GPT(cfg)
     torch.manual_seed(0)
-    model = GPT(cfg)
-    if options.get("mesh", {}).get("pp", 1) > 1:
-        model.block_context = lambda: piper_fx.annotate("PP")
-    if experts:
-        for module in model.experts():
-            piper_fx.mark_experts(module)
-        model.expert_context = lambda: piper_fx.annotate("EP")
+    model = mark_regions(GPT(cfg), pipeline=options.get("mesh", {}).get("pp", 1) > 1, experts=bool(experts))
     piper_fx.prepare(model, options)
     opt = make_optimizer("adamw_eps", model.parameters())
     ref_opt = make_optimizer("adamw_eps", reference.parameters())

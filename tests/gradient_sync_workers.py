@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import piper_fx
 from examples.gpt import GPT, GPTConfig
-from training import SMALL, global_batch, make_optimizer, relative_error
+from training import SMALL, global_batch, make_optimizer, mark_regions, relative_error
 
 
 def accumulate_and_train(rank: int, world: int, options: dict, calls: int = 3, steps: int = 2,
@@ -25,13 +25,7 @@ def accumulate_and_train(rank: int, world: int, options: dict, calls: int = 3, s
     torch.manual_seed(0)
     reference = GPT(cfg)
     torch.manual_seed(0)
-    model = GPT(cfg)
-    if pp > 1:
-        model.block_context = lambda: piper_fx.annotate("PP")
-    if experts:
-        for module in model.experts():
-            piper_fx.mark_experts(module)
-        model.expert_context = lambda: piper_fx.annotate("EP")
+    model = mark_regions(GPT(cfg), pipeline=pp > 1, experts=bool(experts))
     piper_fx.prepare(model, options)
     opt = make_optimizer("sgd", model.parameters())
     ref_opt = make_optimizer("sgd", reference.parameters())

@@ -43,21 +43,14 @@ class ThreeRows(torch.nn.Module):
 
 def _model(name: str, pp: bool):
     """(module, the callable to compile, its arguments) of a model of the suite."""
-    import piper_fx
     from examples.gpt import GPT, GPTConfig
     from models import MODELS, DropoutMLP, batch
-    from training import SMALL, global_batch
+    from training import SMALL, global_batch, mark_regions
 
     if name.startswith("gpt"):  # a layer per pipeline stage, else one
         cfg = GPTConfig(**{**SMALL, "n_layer": 2 if pp else 1}, tied_embeddings="untied" not in name,
                         n_expert=4 if "moe" in name else 0)
-        model = GPT(cfg)
-        if pp:
-            model.block_context = lambda: piper_fx.annotate("PP")
-        if cfg.n_expert:
-            model.expert_context = lambda: piper_fx.annotate("EP")
-            for module in model.experts():
-                piper_fx.mark_experts(module)
+        model = mark_regions(GPT(cfg), pipeline=bool(pp), experts=bool(cfg.n_expert))
         return model, model, global_batch(0, 4, cfg)
     model = {"dropout_mlp": lambda: DropoutMLP(0.1), "three_rows": ThreeRows}.get(name, MODELS.get(name))()
     return model, model, batch(0, 4)

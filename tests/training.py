@@ -132,13 +132,7 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
             names = [name for name, _ in copy.named_parameters()]
             for name in {names[0], names[len(names) // 2]}:
                 copy.get_parameter(name).requires_grad_(False)
-    if pp_regions:
-        model.block_context = lambda: piper_fx.annotate("PP")
-    if experts:
-        for module in model.experts():
-            piper_fx.mark_experts(module)
-        if ep_regions:
-            model.expert_context = lambda: piper_fx.annotate("EP")
+    mark_regions(model, pipeline=pp_regions, experts=bool(experts), expert_regions=ep_regions)
     if call_prepare:
         piper_fx.prepare(model, options)
     if on_meta:
@@ -481,11 +475,18 @@ def batch_shape_change_worker(rank: int, world: int) -> str:
     return "no error"
 
 
-def share_out_experts(model: GPT) -> None:
-    """Mark the GPT's experts and their region, as expert parallelism needs them marked."""
-    for module in model.experts():
-        piper_fx.mark_experts(module)
-    model.expert_context = lambda: piper_fx.annotate("EP")
+def mark_regions(model: GPT, pipeline: bool = False, experts: bool = False, expert_regions: bool = True) -> GPT:
+    """Mark the example GPT's regions as a strategy needs them: where `pipeline`, each block a PP
+    region; where `experts`, its experts marked for expert parallelism and (unless
+    `expert_regions` is False) their forward an EP region. Returns the model."""
+    if pipeline:
+        model.block_context = lambda: piper_fx.annotate("PP")
+    if experts:
+        for module in model.experts():
+            piper_fx.mark_experts(module)
+        if expert_regions:
+            model.expert_context = lambda: piper_fx.annotate("EP")
+    return model
 
 
 def mismatched_batches_worker(rank: int, world: int, options: dict, rows: list[int],
@@ -497,10 +498,7 @@ def mismatched_batches_worker(rank: int, world: int, options: dict, rows: list[i
     cfg = GPTConfig(**SMALL, tied_embeddings=False, n_expert=4 if experts else 0)
     torch.manual_seed(0)
     model = GPT(cfg)
-    if experts:
-        share_out_experts(model)
-    if "pipeline" in options:
-        model.block_context = lambda: piper_fx.annotate("PP")
+    mark_regions(model, pipeline="pipeline" in options, experts=experts)
     piper_fx.prepare(model, options)
     step = torch.compile(model, backend="piper", options=options)
     try:
@@ -544,12 +542,8 @@ def plan_programs(options: dict, n_layer: int, batch_rows: int, experts: int = 0
     from piper_fx.sharding.mesh import dp_group_name
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=False, n_expert=experts))
-    model.block_context = lambda: piper_fx.annotate("PP")
-    if experts:
-        model.expert_context = lambda: piper_fx.annotate("EP")
-        for module in model.experts():
-            piper_fx.mark_experts(module)
+    model = mark_regions(GPT(GPTConfig(**{**SMALL, "n_layer": n_layer}, tied_embeddings=False, n_expert=experts)),
+                         pipeline=True, experts=bool(experts))
     piper_fx.prepare(model, options)
     captured = {}
 
@@ -1560,8 +1554,7 @@ def attribute_reads_worker(rank: int, world: int) -> dict:
         reference = GPT(cfg)
         torch.manual_seed(0)
         model = GPT(cfg)
-        if extra:
-            share_out_experts(model)
+        mark_regions(model, experts=bool(extra))
         options = {"codegen": "eager", **options}
         piper_fx.prepare(model, options)
         x, y = global_batch(0, 2 * world, cfg)
@@ -1635,10 +1628,7 @@ def meta_init_worker(rank: int, world: int, steps: int = 3) -> dict:
                     model = GPT(cfg)
             else:
                 model = usual
-            if extra:
-                for module in model.experts():
-                    piper_fx.mark_experts(module)
-                model.expert_context = lambda: piper_fx.annotate("EP")
+            mark_regions(model, experts=bool(extra))
             if built == "on_meta":
                 piper_fx.prepare(model, options)
                 model.to_empty(device=next(usual.parameters()).device)
