@@ -1,5 +1,6 @@
 """Mixed precision (run inside `run_ranks`): piper_fx against FSDP2 and single-process training
-under one `MixedPrecisionPolicy`, on the same global batches."""
+under one `MixedPrecisionPolicy`, and against DDP or one process under `torch.autocast`, on the
+same global batches."""
 from __future__ import annotations
 
 import contextlib
@@ -9,12 +10,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.func import functional_call
 
 import piper_fx
 from examples.gpt import GPT, GPTConfig
-from training import SMALL, global_batch
-
+from piper_fx.sharding.holdings import is_stored
+from training import SMALL, global_batch, mark_regions, relative_error
 
 
 def _policy(options: dict) -> MixedPrecisionPolicy:
@@ -167,3 +169,58 @@ def hf_mixed_precision_worker(rank: int, world: int, name: str, options: dict, o
                   for k, v in piper_fx.full_state_dict(compiled or model).items()},
         "fsdp2": {k: _full(v.detach()).clone() for k, v in fsdp.state_dict().items()},
     }
+
+
+def autocast_worker(rank: int, world: int, configs: list[dict], steps: int = 3) -> list[dict]:
+    """For each options dict: AdamW steps of the example GPT under `torch.autocast` (bf16 on the
+    model's device type) with piper_fx, against the same policy without it: DDP under autocast on
+    the same per-rank rows where the options only shard data, else one process under autocast
+    stepping the same microbatches (each loss scaled by 1/(ranks * microbatches)). Then one more
+    call of the same compiled step outside autocast, against the reference's fp32 loss. Per
+    config: the losses of both sides, the largest relative parameter difference, and the loss
+    of one fp32 reference step (autocast must change it, or the comparison proves nothing)."""
+    results = []
+    for options in configs:
+        pp = options.get("mesh", {}).get("pp", 1)
+        dp = world // pp
+        microbatches = options.get("pipeline", {}).get("microbatches", 1)
+        cfg = GPTConfig(**{**SMALL, "n_layer": 2 * pp}, tied_embeddings=False)
+        torch.manual_seed(0)
+        model = mark_regions(GPT(cfg), pipeline=pp > 1)
+        reference = copy.deepcopy(model)
+        fp32 = copy.deepcopy(model)
+        device_type = next(model.parameters()).device.type
+        piper_fx.prepare(model, options)
+        step = torch.compile(model, backend="piper", options=options)
+        ref_step = DistributedDataParallel(reference) if pp == 1 else None
+        opt, ref_opt = (_optimizer("adamw", m.parameters()) for m in (model, reference))
+        out: dict = {"piper": [], "reference": []}
+        for i in range(steps + 1):
+            x, y = global_batch(i, 4 * dp, cfg)
+            rows = (x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
+            amp = torch.autocast(device_type, dtype=torch.bfloat16) if i < steps else contextlib.nullcontext()
+            with amp:
+                loss = step(*rows)
+            loss.backward()
+            if ref_step is not None:
+                with amp:
+                    ref_loss = ref_step(*rows)
+                ref_loss.backward()
+                ref_loss = _mean_over_ranks(ref_loss, world)
+            else:
+                ref_loss = 0.0
+                for xm, ym in zip(x.chunk(dp * microbatches), y.chunk(dp * microbatches)):
+                    with amp:
+                        part = reference(xm, ym) / (dp * microbatches)
+                    part.backward()
+                    ref_loss += part.item()
+            if i < steps:
+                _backward_and_step((), [opt, ref_opt])
+            out["piper"].append(_mean_over_ranks(loss, dp) if pp == 1 else loss.item())
+            out["reference"].append(ref_loss)
+        out["param_error"] = max(relative_error(_full(p.detach()), q.detach()) for p, q in
+                                 zip(model.parameters(), reference.parameters()) if is_stored(p))
+        x, y = global_batch(0, 4 * dp, cfg)
+        out["fp32_first_loss"] = fp32(x, y).item()
+        results.append(out)
+    return results
