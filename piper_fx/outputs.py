@@ -111,12 +111,35 @@ def made_where(node: fx.Node) -> str:
     return f"{made} ({code.strip()})" if code else made
 
 
-def _not_one_scalar_loss(differentiable: int, shape: tuple | None, microbatches: int) -> PiperError:
+def graph_break(gm: fx.GraphModule) -> str | None:
+    """Where and why Dynamo ended `gm` at a graph break (its `compile_subgraph_reason`): the
+    innermost user frame and the reason's first line, explanation and first hint; None where
+    Dynamo traced to the frame's return (or the graph did not come from Dynamo)."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not getattr(reason, "graph_break", False):
+        return None
+    lines = [line.strip() for line in str(reason.reason).strip().splitlines() if line.strip()]
+    first = [next((line for line in lines[1:] if line.startswith(label)), None) for label in ("Explanation:", "Hint:")]
+    said = "; ".join([*lines[:1], *filter(None, first)]).rstrip(".:")
+    stack = list(getattr(reason, "user_stack", None) or ())
+    where = f" at {stack[-1].filename}:{stack[-1].lineno} ({stack[-1].name})" if stack else ""
+    return f"{where}: {said}" if said else where
+
+
+def _not_one_scalar_loss(differentiable: int, shape: tuple | None, microbatches: int,
+                         broken: str | None = None) -> PiperError:
+    returns = (f"the compiled graph returns {differentiable} differentiable outputs, the first of shape "
+               f"{shape}, and none is a scalar")
+    if broken is not None:  # the usual cause, said with Dynamo's own words
+        said = (f"Dynamo ended the compiled graph at a graph break{broken}. So {returns}: piper_fx runs "
+                "whole training steps and needs one graph that returns the model's scalar loss. Remove the "
+                "break (compile with fullgraph=True to find every one)")
+    else:
+        said = (f"{returns}; piper_fx runs whole training steps and needs the model to return its scalar "
+                "loss. A graph break also splits the model into graphs that do not end in the loss: compile "
+                "with fullgraph=True to find it")
     return PiperError(
-        f"the compiled graph returns {differentiable} differentiable outputs, the first of shape "
-        f"{shape}, and none is a scalar; piper_fx runs whole training steps and needs the model to "
-        "return its scalar loss. A graph break also splits the model "
-        "into graphs that do not end in the loss: compile with fullgraph=True to find it"
+        said
         + (". Under a pipeline, piper_fx.prepare marks the batch size dynamic in a hook of the "
            "module it prepared, which breaks a function compiled around its call there: compile "
            "that module (a Hugging Face model itself, called with its labels)" if microbatches > 1 else ""))
@@ -130,7 +153,8 @@ def check_a_scalar_loss(gm: fx.GraphModule, loss: int | None, microbatches: int)
     values = returned_values(gm)
     differentiable = [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
     if differentiable and (loss is None or not values[loss].requires_grad):
-        raise _not_one_scalar_loss(len(differentiable), tuple(differentiable[0].shape), microbatches)
+        raise _not_one_scalar_loss(len(differentiable), tuple(differentiable[0].shape), microbatches,
+                                   graph_break(gm))
 
 
 def detach_outputs_beside_the_loss(gm: fx.GraphModule, loss: int | None) -> list[int]:

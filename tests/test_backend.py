@@ -1,5 +1,6 @@
 """The `piper` backend at world size 1: contract details, dumps, errors."""
 import copy
+import re
 import subprocess
 import sys
 import weakref
@@ -208,7 +209,10 @@ def test_graph_break_is_refused_with_a_hint():
         torch._dynamo.graph_break()
         return h.sum()
 
-    with pytest.raises(PiperError, match="fullgraph"):
+    # Where Dynamo broke the graph and why, in its own words (the line of `graph_break()` above).
+    line = broken.__code__.co_firstlineno + 2
+    with pytest.raises(PiperError, match=rf"graph break at {re.escape(__file__)}:{line} \(broken\): Call to "
+                                         r"`torch._dynamo.graph_break\(\)`.*fullgraph"):
         torch.compile(broken, backend="piper", options=EAGER)(torch.randn(2, 3))
     # Said before the batch is split into microbatches: a graph that is part of the model may take
     # arguments that do not split (JetMoE's did, and was refused for its shape alone).
