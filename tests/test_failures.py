@@ -11,7 +11,7 @@ from ranks import run_ranks_collect
 from training import InjectedFailure, bad_input_worker, failing_step_worker, mismatched_batches_worker, \
     recompiled_dtype_worker
 
-TIMEOUT_S = 20  # gloo's timeout for every receive and collective
+TIMEOUT_S = 15  # gloo's timeout for every receive and collective
 # A peer blocked on a rank that keeps running learns of the failure only from gloo's timeout,
 # which starts when it blocks, shortly after the step began on every rank.
 TIMED_OUT_BY_S = TIMEOUT_S + 10
