@@ -124,6 +124,21 @@ def dynamo_trace_seconds() -> float | None:
     return timings[-1] if timings and CompileContext.current_compile_id() is not None else None
 
 
+def graph_break_of(gm: torch.fx.GraphModule) -> tuple[object | None, bool]:
+    """Why Dynamo broke the model's graph, for an error about a graph that is not a whole step:
+    (a `GraphCompileReason`, whether it ended `gm` itself). `gm`'s own reason where a break ended
+    it (set on the graph Dynamo hands its backend); else the latest break Dynamo recorded since
+    its last reset, which made it compile the frames the broken code calls (a module's forward)
+    as graphs of their own; (None, False) if there was none. Public form: none
+    (`torch._dynamo.explain` retraces the model)."""
+    own = getattr(gm, "compile_subgraph_reason", None)
+    if own is not None and getattr(own, "graph_break", False):
+        return own, True
+    from torch._dynamo.utils import graph_break_reasons
+
+    return (graph_break_reasons[-1] if graph_break_reasons else None), False
+
+
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """`mesh`'s dimensions as one named `name` on its root mesh (torchtitan's dp from
     dp_replicate x dp_shard); DeviceMesh has no public spelling of it yet."""

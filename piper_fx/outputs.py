@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from .compat import aot_descriptors as aot_desc
+from .compat import graph_break_of
 from .errors import PiperError
 from .ir import GraphInput, GraphOutput, InputRole, OutputRole
 
@@ -112,28 +113,31 @@ def made_where(node: fx.Node) -> str:
 
 
 def graph_break(gm: fx.GraphModule) -> str | None:
-    """Where and why Dynamo ended `gm` at a graph break (its `compile_subgraph_reason`): the
-    innermost user frame and the reason's first line, explanation and first hint; None where
-    Dynamo traced to the frame's return (or the graph did not come from Dynamo)."""
-    reason = getattr(gm, "compile_subgraph_reason", None)
-    if reason is None or not getattr(reason, "graph_break", False):
+    """Where and why Dynamo broke the model's graph (`compat.graph_break_of`: the break that
+    ended `gm`, else its latest), as a clause for an error: the innermost frame of the model's
+    code and the reason's first line, explanation and first hint; None where it broke none."""
+    reason, own = graph_break_of(gm)
+    if reason is None:
         return None
     lines = [line.strip() for line in str(reason.reason).strip().splitlines() if line.strip()]
     first = [next((line for line in lines[1:] if line.startswith(label)), None) for label in ("Explanation:", "Hint:")]
-    said = "; ".join([*lines[:1], *filter(None, first)]).rstrip(".:")
+    said = "; ".join(part.rstrip(".:") for part in [*lines[:1], *filter(None, first)])
     stack = list(getattr(reason, "user_stack", None) or ())
     where = f" at {stack[-1].filename}:{stack[-1].lineno} ({stack[-1].name})" if stack else ""
-    return f"{where}: {said}" if said else where
+    if own:
+        return f"Dynamo ended the compiled graph at a graph break{where}: {said}"
+    return (f"Dynamo broke the model's graph{where} (its latest break since torch._dynamo.reset()): {said}; "
+            "and compiled a part of the model called from there on its own")
 
 
 def _not_one_scalar_loss(differentiable: int, shape: tuple | None, microbatches: int,
                          broken: str | None = None) -> PiperError:
     returns = (f"the compiled graph returns {differentiable} differentiable outputs, the first of shape "
                f"{shape}, and none is a scalar")
-    if broken is not None:  # the usual cause, said with Dynamo's own words
-        said = (f"Dynamo ended the compiled graph at a graph break{broken}. So {returns}: piper_fx runs "
-                "whole training steps and needs one graph that returns the model's scalar loss. Remove the "
-                "break (compile with fullgraph=True to find every one)")
+    if broken is not None:  # the usual cause, said in Dynamo's own words
+        said = (f"{broken}. So {returns}: piper_fx runs whole training steps and needs one graph that "
+                "returns the model's scalar loss. Remove the break (compile with fullgraph=True to find "
+                "every one)")
     else:
         said = (f"{returns}; piper_fx runs whole training steps and needs the model to return its scalar "
                 "loss. A graph break also splits the model into graphs that do not end in the loss: compile "

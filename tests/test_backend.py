@@ -221,6 +221,23 @@ def test_graph_break_is_refused_with_a_hint():
         torch.compile(broken, backend="piper", options={**EAGER, "pipeline": {"microbatches": 2}})(torch.randn(3, 3))
 
 
+def test_a_part_of_the_model_compiled_apart_after_a_break_names_dynamos_latest_break():
+    """Where Dynamo gives up on an enclosing frame (transformers 5.25's attention under
+    activation checkpointing: a side effect in the checkpointed layer), it compiles the modules
+    that frame calls as graphs of their own, which end at their return: the error names the
+    latest break Dynamo recorded, here one in another function compiled just before."""
+    def broken(x):
+        torch._dynamo.graph_break()
+        return x
+
+    torch.compile(broken, backend="eager")(torch.randn(2))
+    line = broken.__code__.co_firstlineno + 1
+    with pytest.raises(PiperError, match=rf"Dynamo broke the model's graph at {re.escape(__file__)}:{line} \(broken\) "
+                                         r"\(its latest break since torch._dynamo.reset\(\)\): Call to "
+                                         r"`torch._dynamo.graph_break\(\)`.*on its own. So the compiled graph"):
+        torch.compile(torch.nn.Linear(3, 3), backend="piper", options=EAGER)(torch.randn(2, 3))
+
+
 class KeepsItsState(torch.nn.Module):
     """A recurrence that keeps its last state on itself, as RecurrentGemma's RG-LRU does."""
 
