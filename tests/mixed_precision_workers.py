@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 from torch.func import functional_call
+from torch.nn.parallel import DistributedDataParallel
 
 import piper_fx
 from examples.gpt import GPT, GPTConfig
