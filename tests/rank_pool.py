@@ -1,8 +1,9 @@
 """A set of rank processes over gloo, started once, that run many trainings in turn.
 
-Spawning ranks costs seconds per test (importing torch, the rendezvous); a
-property test that trains tens of generated strategies reuses one pool per
-world size instead. Every run has a hard deadline: a pool whose ranks do not
+A property test that trains tens of generated strategies reuses one pool per
+world size rather than starting ranks for each (a rendezvous, and in
+each process the work a first compile does once: Inductor's probe of the CPU,
+loading its libraries). Every run has a hard deadline: a pool whose ranks do not
 all answer in time, or where a rank failed (its peers may be left in a broken
 collective), is torn down, and the next run starts a fresh one; the ranks that missed the
 deadline say where they were (every thread's Python stack).
@@ -21,7 +22,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ranks import processes
 
 
 def _stacks_file(init_file: str, rank: int) -> str:
@@ -60,7 +62,7 @@ class RankPool:
         self._procs: list = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = processes()
         self._tmp = tempfile.TemporaryDirectory()
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]

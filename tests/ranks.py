@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing.forkserver
 import os
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -18,6 +20,36 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+# What the server below imports once for every process the tests start.
+PRELOADED = ("training", "transformers")
+
+
+def processes():
+    """The multiprocessing context of every process the tests start (ranks, and the processes
+    that plan on a fake process group): each is forked from one server process (`forkserver`)
+    that imported torch, piper_fx, the tests' training code and transformers once for the
+    session, so it starts in tens of milliseconds where a new interpreter importing them takes
+    3-4 s (the suite starts processes tens of times). Each is still a fresh process: the server
+    only imported modules, so no process group, compiled code or cache carries over, and torch's
+    random state is a new interpreter's.
+    Its environment is the session's when the server started (conftest sets what the tests
+    need before any test runs), not a later change to `os.environ`."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOADED))
+    # Python 3.11's server does not take the caller's `sys.path` (its children do): it finds the
+    # tests' modules through PYTHONPATH, set while it starts (a no-op once it runs).
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(sys.path)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if previous is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = previous
+    return ctx
 
 
 class RankFailed(AssertionError):
@@ -46,7 +78,7 @@ def _worker(rank, world_size, init_file, fn, args, results, collective_timeout_s
 @contextlib.contextmanager
 def _spawned(fn, world_size, args, deadline_s, collective_timeout_s) -> Iterator:
     """Start the ranks; yield a function returning the next (rank, status, value)."""
-    ctx = mp.get_context("spawn")
+    ctx = processes()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
@@ -106,9 +138,9 @@ def run_ranks(fn, world_size: int, *args, deadline_s: float = 240, collective_ti
               fresh: bool = False):
     """fn(rank, world_size, *args) on each rank; return values by rank. A failing rank raises.
 
-    By default it runs on the session's pool of `world_size` ranks: starting
-    ranks (a process each, importing torch, the rendezvous) costs 5-10 s on
-    this machine, more than most runs. With `fresh=True` or a
+    By default it runs on the session's pool of `world_size` ranks, which
+    keeps its process group and its processes' warm state (Dynamo's, Inductor's
+    loaded code) from run to run. With `fresh=True` or a
     `collective_timeout_s` it starts processes for this run alone: for a run
     that must begin in new processes (resuming a checkpoint), or that needs its
     own timeout.

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ranks import run_ranks
+from ranks import processes, run_ranks
 from training import inductor_worker, regions_worker
 
 
@@ -120,8 +120,7 @@ def _compiled_order(collective: str) -> list[str]:
 
 @pytest.mark.parametrize("collective", ["all_to_all_single", "all_reduce"])
 def test_inductor_keeps_the_planned_overlap_of_a_collective(collective):
-    import multiprocessing
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    with processes().Pool(1) as pool:
         order = pool.apply(_compiled_order, (collective,))
     # Inductor's memory reordering would put the wait right after the collective.
     assert order == [collective, "extern_kernels.mm", "extern_kernels.mm", "wait_tensor"], order

@@ -4,7 +4,6 @@ cache directory, served from the plan cache and Inductor's FX graph cache (count
 timed), training alike."""
 from __future__ import annotations
 
-import multiprocessing
 import os
 
 import pytest
@@ -12,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from piper_fx.passes import PIPELINE, dump_path
+from ranks import processes
 
 STEPS = 3
 
@@ -52,7 +52,7 @@ def _compile(runs: int, cache_dir: str, debug_dir: str, plan_cache: str = "1", c
 
 
 def _in_fresh_process(*args) -> list[dict]:
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    with processes().Pool(1) as pool:
         return pool.apply(_compile, args)
 
 
@@ -139,7 +139,7 @@ def test_a_compile_scans_only_the_objects_it_makes_and_leaves_a_freeze_of_the_pr
     garbage collections the compile sets off scan only what it made; they are thawed after.
     Where the process had frozen objects itself, the compile freezes nothing (thawing its own
     would thaw the process's too) and leaves them frozen."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    with processes().Pool(1) as pool:
         plain, beside = pool.apply(_compile_beside_a_freeze, (str(tmp_path / "inductor"),))
     assert plain["before"] == 0 and plain["frozen"] > 100_000 and plain["after"] == 0, plain
     # Still frozen after, but for the frozen objects the step let go of (freed, and so no longer counted).

@@ -5,9 +5,9 @@ long as the step (on the example GPT at ZeRO-3, about a fifth of the Python heap
 left behind after a cold compile, and the frames of the whole pass pipeline with them,
 through a cached DTensor refusal's traceback). Counted in a fresh process on a fake
 process group of 2 ranks, not timed."""
-import multiprocessing
-
 import pytest
+
+from ranks import processes
 
 CASES = {  # name -> (options (2 ranks), global batch rows)
     # Captured with Inductor's decompositions, among whose ops DTensor's propagator refuses
@@ -71,7 +71,7 @@ def _left_behind(options: dict, rows: int) -> dict:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_compiled_step_keeps_no_graph_of_its_planning(case):
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    with processes().Pool(1) as pool:
         left = pool.apply(_left_behind, CASES[case])
     assert left["graphs"] == [], f"the step's graphs alive after compiling, by node count: {left['graphs']}"
     assert left["frames"] == [], "frames of planning kept alive (a traceback held somewhere)"

@@ -13,9 +13,9 @@ that records the device of every tensor an op creates.
 (The model itself cannot go on `meta`: AOTAutograd traces the GPT's
 cross-entropy on meta tensors without a backward, so there is no training step.)
 """
-import multiprocessing
-
 import pytest
+
+from ranks import processes
 
 # (schedule, ZeRO level, rank): every schedule, every ZeRO level, first-stage ranks (0, 1) and
 # last-stage ranks (2, 3); under the V-shaped schedules every rank holds a first and a last stage.
@@ -100,7 +100,7 @@ def outcomes():
     """Every case's outcome, run in two fresh processes (the fake process group must not leak)."""
     cases = [(schedule, zero, rank, 4) for schedule, zero, rank in CASES] + [(None, 0, 0, 1)]
     halves = [cases[0::2], cases[1::2]]
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes()
     with ctx.Pool(2) as pool:
         runs = pool.map(_run_cases, halves)
     return {case: outcome for half, run in zip(halves, runs) for case, outcome in zip(half, run)}

@@ -5,11 +5,10 @@ parameter tied across the first and last stage is read on two pipeline ranks:
 both ranks must end every step with the same, summed gradient, so their
 copies stay equal.
 """
-import multiprocessing
 
 import pytest
 
-from ranks import run_ranks
+from ranks import processes, run_ranks
 from training import pipeline_worker
 
 RTOL = 1e-5
@@ -105,7 +104,7 @@ def _dualpipe_option_errors(world: int) -> dict:
 
 
 def test_bad_dualpipe_options_are_config_errors():
-    with multiprocessing.get_context("spawn").Pool(1) as pool:  # the fake process group must not leak
+    with processes().Pool(1) as pool:  # the fake process group must not leak
         three, four = pool.map(_dualpipe_option_errors, (3, 4))
     assert three["odd_ranks"].startswith("options['mesh.pp'] = 3 is invalid: an even number")
     assert "options['pipeline.microbatches'] = 6 is invalid: an int >= 8 for dualpipe" in four["few_microbatches"]
@@ -156,7 +155,7 @@ def _plan(schedule: str) -> dict:
 
 @pytest.mark.parametrize("schedule", ["dualpipe", "dualpipev"])
 def test_programs_run_pairs_with_their_receives_posted_ahead(schedule):
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    with processes().Pool(1) as pool:
         report = pool.apply(_plan, (schedule,))
     assert report["unmatched"] == 0  # every send has its receive on the peer
     assert report["pairs"] > 0 and report["pair_inputs_late"] == []  # a pair's receives precede its run

@@ -7,7 +7,7 @@ ep group, which reach it and return through all-to-alls.
 import json
 import re
 
-from ranks import run_ranks
+from ranks import processes, run_ranks
 from training import expert_errors_worker, pipeline_worker
 
 RTOL = 1e-5
@@ -135,9 +135,8 @@ def _plan_dualpipev_with_experts(overlap: bool) -> dict:
 
 
 def test_dualpipev_pairs_overlap_one_microbatchs_all_to_all_with_the_others_compute():
-    import multiprocessing
     # A fresh process per plan, side by side: each makes (and destroys) its own fake process group.
-    with multiprocessing.get_context("spawn").Pool(2, maxtasksperchild=1) as pool:
+    with processes().Pool(2, maxtasksperchild=1) as pool:
         on, off = pool.map(_plan_dualpipev_with_experts, (True, False), chunksize=1)
     assert on["ranks"] == 16
     # One MoE block per stage: a dispatch and a combine in forward, and again in backward.

@@ -2,10 +2,9 @@
 two at once corrupt the heap in torch's ProcessGroupGloo (`benchmarks/gloo_gather_race.py`).
 Other backends keep the overlap policy's gathers ahead (here the fake group, as large
 worlds are planned)."""
-import multiprocessing
-
 import pytest
 
+from ranks import processes
 from training import gathers_in_flight, gathers_in_flight_worker, plan_all_ranks
 
 CASES = {
@@ -22,7 +21,7 @@ def _on_fake_group(options: dict) -> int:
 @pytest.mark.parametrize("case", CASES)
 def test_gloo_groups_gather_one_at_a_time(rank_pools, case):
     options = CASES[case]
-    with multiprocessing.get_context("spawn").Pool(1) as pool:  # the fake group must not leak into other tests
+    with processes().Pool(1) as pool:  # the fake group must not leak into other tests
         assert pool.apply(_on_fake_group, (options,)) >= 2
     outcomes = rank_pools(2).run(gathers_in_flight_worker, options, deadline_s=300)
     assert [outcome.get("value") for outcome in outcomes] == [1, 1], outcomes

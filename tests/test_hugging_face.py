@@ -8,7 +8,6 @@ the batch as it is and padded (80 cases, under 4 minutes on 2 cores). A property
 models and strategies over 2 and 4 ranks (every ZeRO level, every schedule, activation
 checkpointing, buckets, Inductor, padding, the model built on the meta device): the same 4
 cases in `make test`, `PIPER_HF_EXAMPLES=N` for a longer, randomly seeded search."""
-import multiprocessing
 import os
 import re
 
@@ -16,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from ranks import run_ranks
+from ranks import processes, run_ranks
 from training import HUGGING_FACE, LLAMA_SEQ, VISION, hf_outputs_worker, hf_parity_worker, vision_parity_worker
 
 ZERO3 = {"zero": 3, "codegen": "eager"}
@@ -218,7 +217,7 @@ def _outputs_under_bidirectional_dualpipe() -> str:
 def test_an_output_of_a_stage_two_ranks_run_is_refused_naming_it():
     """Bidirectional DualPipe runs each stage on both ranks, each for half the microbatches: the
     logits have no one rank to return them, and the error says so before anything runs."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    with processes().Pool(1) as pool:
         error = pool.apply(_outputs_under_bidirectional_dualpipe)
     assert re.search(r"output 1 \(logits, made at modeling_llama.py:\d+ in forward .*\) is made by stage \d, "
                      r"which this schedule runs on pipeline ranks \[0, 1\].*model\(\.\.\.\)\.loss", error), error

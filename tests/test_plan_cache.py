@@ -224,8 +224,8 @@ def test_every_value_of_a_planned_program_is_pickled_by_its_layout():
     """One value that is not plain (a view, say) sends the whole plan down FX's slower pickle
     (twice the load time of a warm compile's plan): the passes record values as make_fx does,
     detached. Every strategy's buckets, casts and stages, planned, are plain."""
-    import multiprocessing
-    ctx = multiprocessing.get_context("spawn")
+    from ranks import processes
+    ctx = processes()
     cases = [({"zero": 3}, 2), ({"zero": 2, "mixed_precision": {"param_dtype": "bfloat16"}}, 2),
              ({"zero": 0, "bucket_mb": 0.01}, 2),
              ({"zero": 1, "mesh": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 4}}, 4)]

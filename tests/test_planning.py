@@ -2,7 +2,6 @@
 
 Counted from the dumped per-rank program: what the runtime runs is what is dumped.
 """
-import multiprocessing
 import re
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ranks import processes
 from training import SMALL, global_batch
 
 
@@ -48,7 +48,7 @@ def _collectives_by_task(program: str) -> dict[str, list[str]]:
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
     """Per ZeRO level: collectives of each task, one per parameter (no bucketing)."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes()
     with ctx.Pool(1) as pool:  # a fresh process: the fake process group must not leak into other tests
         return {zero: _collectives_by_task(pool.apply(_plan_one_step, (zero, 4, str(tmp_path_factory.mktemp(f"z{zero}")))))
                 for zero in (0, 1, 2, 3)}
@@ -95,7 +95,7 @@ def test_zero3_gathers_per_use_in_forward_and_again_in_backward(plans):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_bucket_size_sets_the_number_of_collectives(tmp_path, world):
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes()
     counts = {}
     with ctx.Pool(1) as pool:
         for bucket_mb in (1e-9, 0.002, 25):
@@ -172,7 +172,7 @@ def _ddp_buckets(nbytes: list[int], bucket_mb: float, small_first: bool) -> list
 
 
 def test_gradient_buckets_are_ddps_a_small_first_one_then_bucket_mb():
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes()
     with ctx.Pool(1) as pool:
         sizes = {mb: pool.apply(_reduction_bucket_bytes, ("all_reduce", [65536] * 12, mb, True))
                  for mb in (25, 1.5, 0.5)}
@@ -191,7 +191,7 @@ def test_gradient_buckets_are_ddps_a_small_first_one_then_bucket_mb():
 
 
 def test_buckets_of_one_layout_share_one_trace_each_with_values_of_its_own():
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes()
     with ctx.Pool(1) as pool:
         stats = {kind: pool.apply(_reduction_bucket_bytes, (kind, [65536] * 12, 0.5, True, True))
                  for kind in ("all_reduce", "reduce_scatter")}
@@ -245,7 +245,7 @@ def test_gradient_buckets_follow_the_policy_for_any_sizes_and_caps():
     # Inductor groups and merges; the pass carves out each run's first bucket of all-reduces (with
     # `small_first`; reduce-scatters bucket by size alone): together they must make exactly the
     # buckets the plain policy makes, for either reduction kind.
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes()
     with ctx.Pool(1) as pool:
         @settings(max_examples=30, deadline=None, derandomize=True, database=None)
         @given(case=_reductions())
@@ -272,7 +272,7 @@ def _plan_world_64() -> dict:
 
 
 def test_planning_all_64_ranks_of_pp8_x_dp8_in_one_process():
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes()
     with ctx.Pool(1) as pool:
         result = pool.apply(_plan_world_64)
     assert result["ranks"] == list(range(64))
@@ -312,7 +312,7 @@ def test_planning_generates_no_python_code_for_the_graphs_it_transforms():
     """A plan's graphs are lazy graph modules: a pass's `recompile()` only marks one, and its
     code is generated when it is run or read (eager codegen, the dumps). Generated each time,
     it took a quarter of the planning of a GPT of 24 blocks."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes()
     with ctx.Pool(1) as pool:
         result = pool.apply(_task_graphs_given_code_while_planning)
     assert result["tasks"] > 0 and result["given code"] == 0, result
@@ -342,7 +342,7 @@ def _gathers_overlapping_compute(overlap: bool) -> dict:
 
 
 def test_overlap_prefetches_each_layers_gather_during_the_previous_layer():
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes()
     with ctx.Pool(1) as pool:
         on, off = pool.map(_gathers_overlapping_compute, (True, False))
     assert off == {"F0": 0, "B0": 0}, off  # each gather waited right where it is issued
@@ -377,7 +377,7 @@ def _reductions_overlapping_compute(zero: int) -> dict:
 def test_each_gradient_reduction_overlaps_the_rest_of_the_backward(zero):
     # A bucket's wait moves with its per-gradient views, which read nothing: the reductions wait
     # at the backward's end, so each runs while the backward computes the earlier layers' gradients.
-    ctx = multiprocessing.get_context("spawn")
+    ctx = processes()
     with ctx.Pool(1) as pool:
         counts = pool.apply(_reductions_overlapping_compute, (zero,))
     assert counts["issued before the last matmul"] >= 5, counts  # buckets of 5 KB: 2 layers make several
@@ -394,7 +394,7 @@ def _ddp_reductions_by_task(microbatches: int) -> dict:
 
 
 def test_ddp_with_microbatches_reduces_the_summed_gradient_once_at_the_end():
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    with processes().Pool(1) as pool:
         one, two = pool.map(_ddp_reductions_by_task, (1, 2))
     untied = PARAMS + 1  # plan_all_ranks' GPT has its own lm_head weight
     assert one == {"F0": 0, "B0": untied}  # in the backward, as each gradient completes

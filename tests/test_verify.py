@@ -1,5 +1,4 @@
 """The graph verifier: runs after every pass in the test suite and names the pass that broke a graph."""
-import multiprocessing
 import os
 
 import pytest
@@ -7,6 +6,7 @@ import torch
 import torch.fx as fx
 
 from piper_fx.verify import VERIFY_ENV, graph_problems
+from ranks import processes
 
 
 def test_the_test_suite_verifies_every_pass():
@@ -132,7 +132,7 @@ def _forget_tasks(dag, strategy):
 
 @pytest.fixture(scope="module")
 def messages():
-    with multiprocessing.get_context("spawn").Pool(1) as pool:  # the fake process group stays in its process
+    with processes().Pool(1) as pool:  # the fake process group stays in its process
         results = dict(zip(("broken", "sound", "forgets"),
                            pool.map(_plan_with, (_drop_an_input, _keep, _forget_tasks))))
     return {name: message for name, (message, _) in results.items()} | {"levels": results["sound"][1]}
@@ -209,7 +209,7 @@ def test_every_schedules_programs_match_messages_in_order_and_collectives_across
     order (as NCCL needs), and every process group's ranks issue the same collectives in order."""
     # Two processes side by side, each planning one schedule after another, each plan on a fake
     # process group of its own (made and destroyed by `plan_all_ranks`).
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
+    with processes().Pool(2) as pool:
         results = pool.starmap(_check_programs, [(s, 2, 2, 3) for s in PRESETS], chunksize=1)
     assert dict(zip(PRESETS, results)) == {s: [] for s in PRESETS}
 
@@ -287,7 +287,7 @@ def _program_freeing_a_sum() -> dict:
 
 @pytest.fixture(scope="module")
 def broken_programs():
-    with multiprocessing.get_context("spawn").Pool(2, maxtasksperchild=1) as pool:
+    with processes().Pool(2, maxtasksperchild=1) as pool:
         found, freeing = pool.apply_async(_broken_programs), pool.apply_async(_program_freeing_a_sum)
         return found.get(), freeing.get()
 
@@ -372,7 +372,7 @@ def _broken_levels() -> dict:
 
 @pytest.fixture(scope="module")
 def broken_levels():
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    with processes().Pool(1) as pool:
         return pool.apply(_broken_levels)
 
 
