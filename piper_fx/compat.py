@@ -195,17 +195,19 @@ def dtensor_dispatch(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> ob
             handlers[op] = handler
 
 
-def accumulates_in_this_backward(node: torch.autograd.graph.Node | None) -> bool:
-    """Whether `node` is a leaf's AccumulateGrad that the backward now running executes:
-    True under `backward()`, False for a leaf that `backward(inputs=...)` leaves out and
-    under `torch.autograd.grad` (which hands the gradients back instead, and for which
-    torch raises here). Public: none."""
+def leaf_use(node: torch.autograd.graph.Node | None) -> str | None:
+    """How the backward now running uses `node`, where it is a leaf's AccumulateGrad:
+    "accumulated" (its gradient is added into `.grad`: `backward()`, or a leaf that
+    `backward(inputs=...)` names), "left out" (a leaf `backward(inputs=...)` or
+    `torch.autograd.grad` does not name), or "captured" (a leaf `torch.autograd.grad`
+    hands the gradient of back, for which torch raises here); None for any other node.
+    Public: none."""
     if type(node).__name__ != "AccumulateGrad":
-        return False
+        return None
     try:
-        return torch._C._will_engine_execute_node(node)
+        return "accumulated" if torch._C._will_engine_execute_node(node) else "left out"
     except RuntimeError:
-        return False
+        return "captured"
 
 
 def read_as_zeros(storage: torch.UntypedStorage) -> None:

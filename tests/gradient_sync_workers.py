@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import piper_fx
 from examples.gpt import GPT, GPTConfig
@@ -80,3 +81,50 @@ def gradient_sync_worker(rank: int, world: int, configs: list[dict]) -> list[dic
         torch._dynamo.reset()
     return results
 
+
+
+def backward_forms_worker(rank: int, world: int, zero: int) -> dict:
+    """The other forms of backward through calls of a window, against one process running the same
+    on the global batches: (a) `backward(inputs=...)` inside the window holds the gradients of the
+    parameters it names alone; (b) `torch.autograd.grad` inside it is a `PiperError` (the window
+    hands no gradient back before its end); (c) `torch.autograd.grad` of a call with
+    synchronization on gets that call's reduced gradients and leaves what is held; (d) the next
+    `backward()` reduces what (a) held with its own. The relative error of each parameter's
+    gradient after (c) and (d), and (b)'s message."""
+    cfg = GPTConfig(**SMALL)
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    options = {"zero": zero, "codegen": "eager"}
+    piper_fx.prepare(model, options)
+    compiled = torch.compile(model, backend="piper", options=options)
+    params, ref_params = list(model.parameters()), list(reference.parameters())
+    named = [1, 4, 9]  # the position embedding, the first block's qkv weight and its ln_2 bias
+
+    def replica(call: int) -> tuple:
+        x, y = global_batch(call, 2 * world, cfg)
+        return (x, y), (x.chunk(world)[rank], y.chunk(world)[rank])
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    out: dict = {}
+    with piper_fx.no_sync(compiled):
+        batch, mine = replica(0)
+        compiled(*mine).backward(inputs=[params[i] for i in named])  # (a)
+        reference(*batch).backward(inputs=[ref_params[i] for i in named])
+        try:  # (b)
+            torch.autograd.grad(compiled(*replica(1)[1]), params)
+        except piper_fx.PiperError as error:
+            out["autograd_in_window"] = str(error)
+    batch, mine = replica(2)  # (c)
+    grads = torch.autograd.grad(compiled(*mine), params)
+    ref_grads = torch.autograd.grad(reference(*batch), ref_params)
+    out["autograd_errors"] = [relative_error(full(g), r) for g, r in zip(grads, ref_grads, strict=True)]
+    out["grads_after_autograd"] = [p.grad is not None for p in params]
+    batch, mine = replica(3)  # (d)
+    compiled(*mine).backward()
+    reference(*batch).backward()
+    out["grad_errors"] = [relative_error(full(p.grad), q.grad) for p, q in zip(params, ref_params, strict=True)]
+    return out

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import piper_fx
-from gradient_sync_workers import gradient_sync_worker
+from gradient_sync_workers import backward_forms_worker, gradient_sync_worker
 from ranks import run_ranks
 
 RTOL = 1e-5
@@ -82,6 +82,19 @@ def test_a_window_under_pipelines_and_compiled_code(four_ranks):
     for index, config in enumerate(FOUR_RANKS):
         for rank, ranks in enumerate(four_ranks):
             _check_window(config, rank, ranks[index])
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_backward_of_some_parameters_and_autograd_grad_through_a_window(zero):
+    """`backward(inputs=...)` in a window holds what it names alone (it held every parameter's
+    gradient, adding to the others' at the window's end: relative error 2.0); `torch.autograd.grad`
+    in a window is refused (it said no parameter was used in the graph), and outside one gets its
+    call's reduced gradients, leaving what the window holds for the next `backward()`."""
+    for rank, run in enumerate(run_ranks(backward_forms_worker, 2, zero)):
+        assert "torch.autograd.grad of a step called while" in run["autograd_in_window"], (zero, rank, run)
+        assert max(run["autograd_errors"]) < RTOL, (zero, rank, run["autograd_errors"])
+        assert not any(run["grads_after_autograd"]), (zero, rank)
+        assert max(run["grad_errors"]) < RTOL, (zero, rank, run["grad_errors"])
 
 
 def test_no_sync_takes_a_model():

@@ -25,6 +25,7 @@ the step (`failures`), so peers already running name this rank.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 import weakref
@@ -33,7 +34,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..compat import DTensorSpec, accumulates_in_this_backward, has_grad_hooks, local_tensor
+from ..compat import DTensorSpec, has_grad_hooks, leaf_use, local_tensor
 from ..debug import DebugDump
 from ..errors import PiperError
 from ..gradient_sync import SyncWindow, window_of
@@ -411,39 +412,70 @@ class _StepFunction(torch.autograd.Function):
         # would wait for its queue).
         if grads and not _is_one_on_host(loss_seed):
             torch._foreach_mul_(list(grads.values()), loss_seed)
+        nodes = functools.cache(lambda: _arg_nodes(args, ctx.next_functions))
         if ctx.holds is not None:
-            grads = _held_until_synced(ctx.holds, ctx.window, ctx.synced, args, grads, ctx.run.held_reduction_bytes)
-        handed = (None, *_hand_over(args, grads, lambda: ctx.next_functions))
+            grads = _held_until_synced(ctx.holds, ctx.window, ctx.synced, args, grads, nodes(),
+                                       ctx.run.held_reduction_bytes)
+        handed = (None, *_hand_over(args, grads, nodes))
         ctx.run.hand_over_s += time.perf_counter() - started
         return handed
 
 
 def _held_until_synced(reduction: GradientReduction, window: SyncWindow | None, synced: bool,
                        args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
+                       nodes: Sequence[torch.autograd.graph.Node | None],
                        sent: dict[str, int]) -> dict[int, torch.Tensor]:
-    """The gradients to hand over from a program that leaves them unreduced: none from a call
-    made while the model's synchronization was off, its `window` holding them; from the first
-    call made with it on (`synced`), everything held for these parameters with this call's,
-    reduced (`held_gradients`), the bytes it sent added to `sent`."""
+    """The gradients to hand over from a program that leaves them unreduced, `nodes` saying
+    where each argument's goes. A gradient the backward adds into `.grad` (`backward()`) is
+    held in the model's `window`: from a call made while synchronization was off, none is
+    handed over; from the first call made with it on (`synced`), everything held for the
+    parameter with this call's, reduced (`held_gradients`). One the backward leaves out
+    (`backward(inputs=...)` not naming its parameter) is dropped, as PyTorch computes none.
+    One `torch.autograd.grad` takes is this call's alone, reduced where synchronization is
+    on (what is held stays for the next call that accumulates); where it is off, a
+    `PiperError`: the window hands no gradient back before its end, and a replica's
+    unreduced one is not a gradient of its parameters. The bytes sent are added to `sent`."""
     if not grads:  # no parameter of this rank's stages has one
         return grads
+    held, taken = [], []
     for index, grad in grads.items():
-        window.hold(args[index], reduction.held(grad))
+        use = leaf_use(nodes[index])
+        if use == "captured":
+            taken.append(index)
+        elif use != "left out":
+            window.hold(args[index], reduction.held(grad))
+            held.append(index)
     if not synced:
+        if taken:
+            raise PiperError(
+                "torch.autograd.grad of a step called while its model's gradient synchronization is off "
+                "(piper_fx.no_sync, or set_requires_gradient_sync(model, False)): the window holds each call's "
+                "gradients, unreduced, until its first call with synchronization on reduces them, and hands none "
+                "back before. Call torch.autograd.grad on a call made with synchronization on, or accumulate "
+                "with loss.backward()")
         return {}
-    indices = list(grads)
-    return dict(zip(indices, reduction([args[i] for i in indices], [window.take(args[i]) for i in indices], sent)))
+    indices = held + taken
+    unreduced = [window.take(args[i]) for i in held] + [reduction.held(grads[i]) for i in taken]
+    return dict(zip(indices, reduction([args[i] for i in indices], unreduced, sent)))
 
 
 def _is_one_on_host(seed: torch.Tensor) -> bool:
     return seed.device.type == "cpu" and seed.numel() == 1 and seed.item() == 1.0
 
 
+def _arg_nodes(args: Sequence[torch.Tensor], edges: Sequence[tuple]) -> list[torch.autograd.graph.Node | None]:
+    """The autograd node each of `args` hands its gradient to, from the autograd edges of the
+    tensor arguments in order (the backward node's `next_functions`); None for a non-tensor.
+    Reading `next_functions` makes a Python object of every edge's node."""
+    remaining = iter(edges)
+    return [next(remaining)[0] if isinstance(arg, torch.Tensor) else None for arg in args]
+
+
 def _hand_over(args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
-               edges: Callable[[], Sequence[tuple]]) -> list[torch.Tensor | None]:
+               arg_nodes: Callable[[], Sequence[torch.autograd.graph.Node | None]]) -> list[torch.Tensor | None]:
     """What `_StepFunction.backward` returns for `args`, given the program's gradients by
-    argument index and a function giving the autograd edges of the tensor arguments, in
-    order (the backward node's `next_functions`: the node each one's gradient goes to).
+    argument index and a function giving the autograd node each argument's gradient goes
+    to (`_arg_nodes`).
 
     A DTensor leaf (a parameter) that this backward accumulates into and that has no
     hooks gets its gradient added into `.grad` here (`accumulate_grad`, as FSDP2 does for
@@ -454,16 +486,14 @@ def _hand_over(args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
     `backward(inputs=...)` leaves out, to `register_hook` and
     `register_post_accumulate_grad_hook` hooks, and to non-leaf inputs.
 
-    The edges are asked for only where a gradient is a DTensor's: reading the node's
-    `next_functions` makes a Python object of every edge's node."""
+    The nodes are asked for only where a gradient is a DTensor's."""
     if not any(isinstance(args[index], DTensor) for index in grads):  # every one through autograd
         return [grads.get(index) for index in range(len(args))]
-    remaining = iter(edges())
-    nodes = [next(remaining)[0] if isinstance(arg, torch.Tensor) else None for arg in args]
+    nodes = arg_nodes()
     out: list[torch.Tensor | None] = [None] * len(args)
     for index, grad in grads.items():
         arg, node = args[index], nodes[index]
-        if isinstance(arg, DTensor) and accumulates_in_this_backward(node) and not has_grad_hooks(arg):
+        if isinstance(arg, DTensor) and leaf_use(node) == "accumulated" and not has_grad_hooks(arg):
             accumulate_grad(arg, grad)
         else:
             out[index] = parameter_grad(arg, grad)
