@@ -71,7 +71,7 @@ def check_batches_agree(strategy: Strategy, shapes: dict[int, tuple[int, ...]], 
     else:
         groups = []
         for dim in dims:
-            ranks = dist.get_process_group_ranks(strategy_mesh(strategy)[dim].get_group())
+            ranks = dist.get_process_group_ranks(strategy_mesh(strategy, dim).get_group())
             everyone.update(_later_shapes(shapes, dim, ranks))
             groups.append((dim, ranks))
     for dim, ranks in groups:

@@ -71,11 +71,11 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     if strategy.shards_parameters:
         # Experts shared out over ep are replicated over the dp/ep groups, never ZeRO-sharded on top;
         # with ep = 1 they are parameters like any other, sharded and reduced by ZeRO.
-        shard_parameters(model, strategy_mesh(strategy)["dp"], keep=lambda p: strategy.ep > 1 and is_expert_parameter(p))
+        shard_parameters(model, strategy_mesh(strategy, "dp"), keep=lambda p: strategy.ep > 1 and is_expert_parameter(p))
     if experts:
-        shard_experts(model, strategy_mesh(strategy)["ep"])
+        shard_experts(model, strategy_mesh(strategy, "ep"))
     if strategy.dp > 1:
-        replicate_parameters(model, strategy_mesh(strategy)["dp"])
+        replicate_parameters(model, strategy_mesh(strategy, "dp"))
     if any(sharded_parameter_info(p) is not None for p in model.parameters()):
         gathers_in_eager_forward(model)  # and every module holding a sharded parameter (`read_through`)
     if any(p.is_meta for p in model.parameters()):

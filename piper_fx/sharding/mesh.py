@@ -3,8 +3,8 @@
 Rank layout: rank r has pipeline index r // dp and data-parallel
 index r % dp, i.e. a row-major ("pp", "dp") mesh, which is what
 `init_device_mesh` builds; with experts, dp splits into ("expert_dp", "ep").
-One mesh per strategy names every group (`strategy_mesh`), and DTensor
-parameters sit on its "dp" or "ep" dimension. The mesh is built for the device
+One mesh per strategy names every group (`strategy_mesh` gives each dimension's),
+and DTensor parameters sit on its "dp" or "ep" dimension. The mesh is built for the device
 type the process group communicates on (`process_group_device_type`): "cuda"
 under NCCL, "cpu" under gloo.
 """
@@ -36,14 +36,18 @@ def process_group_device_type() -> str:
     return accelerator.type if accelerator is not None else "cpu"
 
 
-# The mesh built over each default process group, by (pp, dp, ep): the group's own, dropped with
-# it, so a process group made anew (after `destroy_process_group`) gets a mesh, and sub-groups, of its own.
-_MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, DeviceMesh]] = weakref.WeakKeyDictionary()
+# Each dimension's mesh of the mesh built over each default process group, by (pp, dp, ep): the
+# group's own, dropped with it, so a process group made anew (after `destroy_process_group`) gets a
+# mesh, and sub-groups, of its own.
+_MESHES: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[tuple, dict[str, DeviceMesh]]] = \
+    weakref.WeakKeyDictionary()
 
 
-def strategy_mesh(strategy: Strategy) -> DeviceMesh:
-    """The one device mesh that names every process group of `strategy`: dimensions "pp"
-    and "dp", and with experts (ep > 1) "expert_dp" and "ep", whose flattening is "dp".
+def strategy_mesh(strategy: Strategy, dim: str) -> DeviceMesh:
+    """Dimension `dim` of the one device mesh that names every process group of `strategy`:
+    "pp" and "dp", and with experts (ep > 1) "expert_dp" and "ep", whose flattening is "dp"
+    (kept as `_flatten` made it: slicing a flattened dimension from its root mesh is
+    deprecated in torch).
 
     Data-parallel index d = replica * ep + ep_index: the ep ranks sharing out the
     experts are consecutive, as in torchtitan (ep borrows the inner dp ranks).
@@ -55,12 +59,13 @@ def strategy_mesh(strategy: Strategy) -> DeviceMesh:
     if (pp, dp, ep) not in meshes:
         if ep == 1:
             mesh = init_device_mesh(process_group_device_type(), (pp, dp), mesh_dim_names=("pp", "dp"))
+            meshes[(pp, dp, ep)] = {"pp": mesh["pp"], "dp": mesh["dp"]}
         else:
             mesh = init_device_mesh(process_group_device_type(), (pp, dp // ep, ep),
                                     mesh_dim_names=("pp", "expert_dp", "ep"))
-            flatten_mesh(mesh["expert_dp", "ep"], "dp")
-        meshes[(pp, dp, ep)] = mesh
-    return meshes[(pp, dp, ep)]
+            meshes[(pp, dp, ep)] = {"pp": mesh["pp"], "expert_dp": mesh["expert_dp"], "ep": mesh["ep"],
+                                    "dp": flatten_mesh(mesh["expert_dp", "ep"], "dp")}
+    return meshes[(pp, dp, ep)][dim]
 
 
 def rank_groups(strategy: Strategy, dim: str) -> list[list[int]]:
@@ -78,7 +83,7 @@ def rank_groups(strategy: Strategy, dim: str) -> list[list[int]]:
 def _group_name(strategy: Strategy, dim: str, size: int) -> str | None:
     if size == 1:
         return None
-    return strategy_mesh(strategy)[dim].get_group().group_name
+    return strategy_mesh(strategy, dim).get_group().group_name
 
 
 def dp_group_name(strategy: Strategy) -> str | None:
@@ -89,7 +94,7 @@ def dp_group_name(strategy: Strategy) -> str | None:
     """
     if strategy.pp * strategy.dp == 1:
         return None
-    strategy_mesh(strategy)  # builds every group, on every rank, whatever this one needs
+    strategy_mesh(strategy, "dp")  # builds every group, on every rank, whatever this one needs
     return _group_name(strategy, "dp", strategy.dp)
 
 
