@@ -18,12 +18,13 @@ they are held apart, as FSDP2 holds its unsharded gradients. The first call with
 synchronization on runs that program too, adds its own, and reduces everything
 held in one pass of bucketed collectives, the strategy's (`runtime.held_gradients`):
 the parameters then get what one call on the window's batches would give them,
-and the collectives of the window's other calls are saved. A backward holds the
-gradients it accumulates: `backward(inputs=...)` those of the parameters it names;
-`torch.autograd.grad`, which accumulates none, is refused inside a window (nothing
-is handed back before its end) and after it gets its own call's gradients, reduced,
-leaving what is held for the next `backward()` (`runtime.step._held_until_synced`). ZeRO-3 still gathers
+and the collectives of the window's other calls are saved. ZeRO-3 still gathers
 its parameters in every call (FSDP2 too, without `reshard_after_backward=False`).
+A backward holds the gradients it accumulates: `backward(inputs=...)` those of the
+parameters it names; `torch.autograd.grad`, which accumulates none, is refused inside
+a window (nothing is handed back before its end), and after one gets its own call's
+gradients, reduced, leaving what is held for the next `backward()`
+(`runtime.step._held_until_synced`).
 
 Every rank of a data-parallel group must turn synchronization off and on at the
 same calls, as with DDP and FSDP2, and on the model it compiled (or its compiled

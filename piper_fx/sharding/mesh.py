@@ -3,10 +3,10 @@
 Rank layout: rank r has pipeline index r // dp and data-parallel
 index r % dp, i.e. a row-major ("pp", "dp") mesh, which is what
 `init_device_mesh` builds; with experts, dp splits into ("expert_dp", "ep").
-One mesh per strategy names every group (`strategy_mesh` gives each dimension's),
-and DTensor parameters sit on its "dp" or "ep" dimension. The mesh is built for the device
-type the process group communicates on (`process_group_device_type`): "cuda"
-under NCCL, "cpu" under gloo.
+One mesh per strategy names every group (`strategy_mesh` gives each of its
+dimensions), and DTensor parameters sit on its "dp" or "ep" dimension. The mesh
+is built for the device type the process group communicates on
+(`process_group_device_type`): "cuda" under NCCL, "cpu" under gloo.
 """
 from __future__ import annotations
 
