@@ -25,7 +25,6 @@ the step (`failures`), so peers already running name this rank.
 """
 from __future__ import annotations
 
-import functools
 import json
 import time
 import weakref
@@ -412,11 +411,13 @@ class _StepFunction(torch.autograd.Function):
         # would wait for its queue).
         if grads and not _is_one_on_host(loss_seed):
             torch._foreach_mul_(list(grads.values()), loss_seed)
-        nodes = functools.cache(lambda: _arg_nodes(args, ctx.next_functions))
         if ctx.holds is not None:
-            grads = _held_until_synced(ctx.holds, ctx.window, ctx.synced, args, grads, nodes(),
+            nodes = _arg_nodes(args, ctx.next_functions)
+            grads = _held_until_synced(ctx.holds, ctx.window, ctx.synced, args, grads, nodes,
                                        ctx.run.held_reduction_bytes)
-        handed = (None, *_hand_over(args, grads, nodes))
+            handed = (None, *_hand_over(args, grads, lambda: nodes))
+        else:
+            handed = (None, *_hand_over(args, grads, lambda: _arg_nodes(args, ctx.next_functions)))
         ctx.run.hand_over_s += time.perf_counter() - started
         return handed
 
