@@ -24,7 +24,7 @@ A backward holds the gradients it accumulates: `backward(inputs=...)` those of t
 parameters it names; `torch.autograd.grad`, which accumulates none, is refused inside
 a window (nothing is handed back before its end), and after one gets its own call's
 gradients, reduced, leaving what is held for the next `backward()`
-(`runtime.step._held_until_synced`).
+(`runtime.held_gradients.held_until_synced`).
 
 Every rank of a data-parallel group must turn synchronization off and on at the
 same calls, as with DDP and FSDP2, and on the model it compiled (or its compiled

@@ -16,6 +16,7 @@ import time
 import traceback
 from datetime import timedelta
 from typing import Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -40,15 +41,8 @@ def processes():
     ctx.set_forkserver_preload(list(PRELOADED))
     # Python 3.11's server does not take the caller's `sys.path` (its children do): it finds the
     # tests' modules through PYTHONPATH, set while it starts (a no-op once it runs).
-    previous = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(sys.path)
-    try:
+    with mock.patch.dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)):
         multiprocessing.forkserver.ensure_running()
-    finally:
-        if previous is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = previous
     return ctx
 
 

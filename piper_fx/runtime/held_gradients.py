@@ -1,5 +1,7 @@
 """The reduction of gradients a model's steps held while its synchronization was off
-(`piper_fx.no_sync`), at the first call after.
+(`piper_fx.no_sync`), at the first call after. At each call's backward,
+`held_until_synced` decides which gradients the window holds, which it reduces and
+which it hands over.
 
 Each held gradient is this replica's whole, unreduced one, summed over the window's
 calls in the mixed-precision policy's reduction dtype (`held`), as FSDP2 sums its
@@ -32,7 +34,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..collectives.buckets import FLAT_BUCKET
 from ..collectives.lowering import pad_rows
-from ..compat import resolve_process_group
+from ..compat import leaf_use, resolve_process_group
+from ..errors import PiperError
+from ..gradient_sync import SyncWindow
 from ..sharding.experts import is_expert_parameter
 
 _c10d = torch.ops._c10d_functional
@@ -104,6 +108,44 @@ class GradientReduction:
             flat = pad_rows(flat, shard_rows * group.size())
             return _Piece(flat.contiguous(), grad.shape, dtype, parameter.dtype, group, shard_rows, "reduce_scatter")
         return _Piece(flat.contiguous(), grad.shape, dtype, parameter.dtype, group, shard_rows, "all_reduce")
+
+
+def held_until_synced(reduction: GradientReduction, window: SyncWindow | None, synced: bool,
+                      args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
+                      nodes: Sequence[torch.autograd.graph.Node | None],
+                      sent: dict[str, int]) -> dict[int, torch.Tensor]:
+    """The gradients to hand over from a program that leaves them unreduced, `nodes` saying
+    where each argument's goes. A gradient the backward adds into `.grad` (`backward()`) is
+    held in the model's `window`: from a call made while synchronization was off, none is
+    handed over; from the first call made with it on (`synced`), everything held for the
+    parameter with this call's, reduced (`held_gradients`). One the backward leaves out
+    (`backward(inputs=...)` not naming its parameter) is dropped, as PyTorch computes none.
+    One `torch.autograd.grad` takes is this call's alone, reduced where synchronization is
+    on (what is held stays for the next call that accumulates); where it is off, a
+    `PiperError`: the window hands no gradient back before its end, and a replica's
+    unreduced one is not a gradient of its parameters. The bytes sent are added to `sent`."""
+    if not grads:  # no parameter of this rank's stages has one
+        return grads
+    held, taken = [], []
+    for index, grad in grads.items():
+        use = leaf_use(nodes[index])
+        if use == "captured":
+            taken.append(index)
+        elif use != "left out":
+            window.hold(args[index], reduction.held(grad))
+            held.append(index)
+    if not synced:
+        if taken:
+            raise PiperError(
+                "torch.autograd.grad of a step called while its model's gradient synchronization is off "
+                "(piper_fx.no_sync, or set_requires_gradient_sync(model, False)): the window holds each call's "
+                "gradients, unreduced, until its first call with synchronization on reduces them, and hands none "
+                "back before. Call torch.autograd.grad on a call made with synchronization on, or accumulate "
+                "with loss.backward()")
+        return {}
+    indices = held + taken
+    unreduced = [window.take(args[i]) for i in held] + [reduction.held(grads[i]) for i in taken]
+    return dict(zip(indices, reduction([args[i] for i in indices], unreduced, sent)))
 
 
 def _issue(pieces: list["_Piece"], sent: dict[str, int]) -> torch.Tensor:

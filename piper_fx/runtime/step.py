@@ -43,7 +43,7 @@ from ..sharding.dtensor_params import accumulate_grad, parameter_grad, program_t
 from ..sharding.holdings import is_stored
 from . import failures
 from .executor import ProgramExecutor, StepRun
-from .held_gradients import GradientReduction
+from .held_gradients import GradientReduction, held_until_synced
 from .memory import (optimizer_state_bytes, optimizer_state_version, record_optimizer_state, storage_bytes,
                      storage_key)
 
@@ -413,51 +413,13 @@ class _StepFunction(torch.autograd.Function):
             torch._foreach_mul_(list(grads.values()), loss_seed)
         if ctx.holds is not None:
             nodes = _arg_nodes(args, ctx.next_functions)
-            grads = _held_until_synced(ctx.holds, ctx.window, ctx.synced, args, grads, nodes,
-                                       ctx.run.held_reduction_bytes)
+            grads = held_until_synced(ctx.holds, ctx.window, ctx.synced, args, grads, nodes,
+                                      ctx.run.held_reduction_bytes)
             handed = (None, *_hand_over(args, grads, lambda: nodes))
         else:
             handed = (None, *_hand_over(args, grads, lambda: _arg_nodes(args, ctx.next_functions)))
         ctx.run.hand_over_s += time.perf_counter() - started
         return handed
-
-
-def _held_until_synced(reduction: GradientReduction, window: SyncWindow | None, synced: bool,
-                       args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
-                       nodes: Sequence[torch.autograd.graph.Node | None],
-                       sent: dict[str, int]) -> dict[int, torch.Tensor]:
-    """The gradients to hand over from a program that leaves them unreduced, `nodes` saying
-    where each argument's goes. A gradient the backward adds into `.grad` (`backward()`) is
-    held in the model's `window`: from a call made while synchronization was off, none is
-    handed over; from the first call made with it on (`synced`), everything held for the
-    parameter with this call's, reduced (`held_gradients`). One the backward leaves out
-    (`backward(inputs=...)` not naming its parameter) is dropped, as PyTorch computes none.
-    One `torch.autograd.grad` takes is this call's alone, reduced where synchronization is
-    on (what is held stays for the next call that accumulates); where it is off, a
-    `PiperError`: the window hands no gradient back before its end, and a replica's
-    unreduced one is not a gradient of its parameters. The bytes sent are added to `sent`."""
-    if not grads:  # no parameter of this rank's stages has one
-        return grads
-    held, taken = [], []
-    for index, grad in grads.items():
-        use = leaf_use(nodes[index])
-        if use == "captured":
-            taken.append(index)
-        elif use != "left out":
-            window.hold(args[index], reduction.held(grad))
-            held.append(index)
-    if not synced:
-        if taken:
-            raise PiperError(
-                "torch.autograd.grad of a step called while its model's gradient synchronization is off "
-                "(piper_fx.no_sync, or set_requires_gradient_sync(model, False)): the window holds each call's "
-                "gradients, unreduced, until its first call with synchronization on reduces them, and hands none "
-                "back before. Call torch.autograd.grad on a call made with synchronization on, or accumulate "
-                "with loss.backward()")
-        return {}
-    indices = held + taken
-    unreduced = [window.take(args[i]) for i in held] + [reduction.held(grads[i]) for i in taken]
-    return dict(zip(indices, reduction([args[i] for i in indices], unreduced, sent)))
 
 
 def _is_one_on_host(seed: torch.Tensor) -> bool:
