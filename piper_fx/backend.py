@@ -29,7 +29,7 @@ from .codegen import compile_program, fewest_regions, prepare, warm_up
 from .compat import compile_fx, dynamo_trace_seconds, maybe_mark_dynamic
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
-from .gradient_sync import unsynced, window_of
+from .gradient_sync import any_unsynced, unsynced
 from .ir import HELD_ROLES, InputRole, TrainingDAG
 from .options import Strategy, parse_options_on_all_ranks
 from .outputs import return_arguments_themselves, returned_numbers, returned_values
@@ -228,9 +228,9 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     dump = DebugDump(strategy.debug_dir, strategy.rank)  # named by Dynamo's compile id, known only now
     warming = warm_up(strategy.codegen, device)  # in the background, while Dynamo ends and the step is planned
     sized = symbolic_inputs(gm, example_inputs)
-    anchor = next((i for i, t in enumerate(example_inputs) if isinstance(t, nn.Parameter)), None)
+    parameters = tuple(i for i, t in enumerate(example_inputs) if isinstance(t, nn.Parameter))
     return DeferredStep(_StepBuilder(gm, example_inputs, strategy, device, dump, warming, stats, sized, themselves),
-                        sized, anchor, reduces=anchor is not None and strategy.dp > 1)
+                        sized, parameters, reduces=bool(parameters) and strategy.dp > 1)
 
 
 # How many batch shapes a frame compiles steps for before each new one warns (Dynamo's default
@@ -265,22 +265,25 @@ class DeferredStep:
     a model it has not seen, as for a shape; each model's steps live as long as the model (the
     steps of the model called last too: `_forget` lets go of them when it dies).
 
-    A training call of a model whose gradient synchronization is off (`piper_fx.no_sync`), or
-    the first call after, runs a step planned without gradient reductions instead, compiled at
-    the first such call of its batch shape and kept beside the others (`_unsynced`); with one
-    replica (dp = 1) there is nothing to hold back, and the model's window is not looked up.
+    A training call reading a parameter whose gradient synchronization is off
+    (`piper_fx.no_sync`), or which holds gradients (the first call after), runs a step planned
+    without gradient reductions instead, compiled at the first such call of its batch shape and
+    kept beside the others (`_unsynced`); with one replica (dp = 1) there is nothing to hold
+    back, and the parameters' synchronization is not looked up.
 
     Slotted: Dynamo wraps the step in a function that copies the step's `__dict__` into its
     own (`functools.wraps`), which would keep the build for the life of the compiled frame
     by another reference. The builder keeps Dynamo's graph for the shapes and models to come."""
 
-    __slots__ = ("_build", "_sized", "_anchor", "_reduces", "_models", "_model", "_steps", "step", "__weakref__")
+    __slots__ = ("_build", "_sized", "_parameters", "_anchor", "_reduces", "_models", "_model", "_steps", "step",
+                 "__weakref__")
 
     def __init__(self, build: Callable[..., CompiledStep], sized: tuple[int, ...],
-                 anchor: int | None = None, reduces: bool = False):
+                 parameters: tuple[int, ...] = (), reduces: bool = False):
         self._build = build
         self._sized = sized
-        self._anchor = anchor
+        self._parameters = parameters  # the arguments that are the model's parameters (their placeholders)
+        self._anchor = parameters[0] if parameters else None
         self._reduces = reduces  # whether the step reduces gradients (dp > 1), which `no_sync` holds back
         self._models = WeakIdKeyDictionary()  # each model's anchor argument -> its steps
         self._model: Callable[[], Any] | None = None  # the anchor argument of the model of `_steps`, weakly
@@ -301,8 +304,7 @@ class DeferredStep:
             self._model = weakref.ref(args[self._anchor], functools.partial(DeferredStep._forget, weakref.ref(self)))
             self.step = self._steps.get(()) if not self._sized else None
         if self._reduces and torch.is_grad_enabled():
-            window = window_of(args[self._anchor])
-            if window is not None and window.unsynced:
+            if any_unsynced(args[i] for i in self._parameters):
                 return self._unsynced(args)
         if not self._sized:
             if self.step is None:

@@ -12,13 +12,15 @@ from training import SMALL, global_batch, make_optimizer, mark_regions, relative
 
 
 def accumulate_and_train(rank: int, world: int, options: dict, calls: int = 3, steps: int = 2,
-                         context: bool = True, tied: bool = True, window: bool = True, experts: int = 0) -> dict:
+                         context: bool = True, tied: bool = True, window: bool = True, experts: int = 0,
+                         part: str | None = None) -> dict:
     """`steps` SGD steps of `calls` calls each, every call's loss scaled by 1/calls, all but the
     last with synchronization off (`no_sync`, or `set_requires_gradient_sync` where `context` is
     False; every call synchronizing where `window` is False), against one model accumulating the
-    same global batches; with `experts`, the GPT's mixture of experts shared out over `mesh.ep`.
-    Per call: the bytes this rank sent by each collective kind, and whether any parameter's
-    gradient changed (it must not inside the window); at the end each parameter's relative error."""
+    same global batches; with `experts`, the GPT's mixture of experts shared out over `mesh.ep`;
+    with `part`, the window set on that submodule alone. Per call: the bytes this rank sent by
+    each collective kind, and whether any gradient of the window's parameters changed (it must
+    not inside the window), and any other's; at the end each parameter's relative error."""
     mesh = options.get("mesh", {})
     pp = mesh.get("pp", 1)
     dp = mesh.get("dp", world // pp)
@@ -31,7 +33,10 @@ def accumulate_and_train(rank: int, world: int, options: dict, calls: int = 3, s
     opt = make_optimizer("sgd", model.parameters())
     ref_opt = make_optimizer("sgd", reference.parameters())
     compiled = torch.compile(model, backend="piper", options=options)
-    out: dict = {"comm_bytes": [], "grads_changed_in_window": [], "loss_errors": []}
+    windowed = compiled if part is None else model.get_submodule(part)
+    inside = [part is None or name.startswith(part + ".") for name, _ in model.named_parameters()]
+    out: dict = {"comm_bytes": [], "grads_changed_in_window": [], "others_changed_in_window": [], "loss_errors": [],
+                 "window_bytes": sum(p.numel() * p.element_size() for p in windowed.parameters())}
     per_rank = 2 * max(pp, 1)
     for step in range(steps):
         for call in range(calls):
@@ -42,21 +47,22 @@ def accumulate_and_train(rank: int, world: int, options: dict, calls: int = 3, s
                 loss = compiled(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
                 (loss / calls).backward()
             elif not last and context:
-                with piper_fx.no_sync(compiled):
+                with piper_fx.no_sync(windowed):
                     loss = compiled(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
                     (loss / calls).backward()
             else:
                 if not context:
-                    piper_fx.set_requires_gradient_sync(compiled, last)
+                    piper_fx.set_requires_gradient_sync(windowed, last)
                 loss = compiled(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
                 (loss / calls).backward()
             stats = piper_fx.last_step_stats()
             out["comm_bytes"].append({k: v for k, v in stats["comm_bytes"].items() if v})
             if not last:
                 after = [None if p.grad is None else p.grad.full_tensor() for p in model.parameters()]
-                out["grads_changed_in_window"].append(any(
-                    (a is None) != (b is None) or (a is not None and not torch.equal(a, b))
-                    for a, b in zip(before, after)))
+                changed = [(a is None) != (b is None) or (a is not None and not torch.equal(a, b))
+                           for a, b in zip(before, after)]
+                out["grads_changed_in_window"].append(any(c for c, i in zip(changed, inside) if i))
+                out["others_changed_in_window"].append(any(c for c, i in zip(changed, inside) if not i))
             ref_loss = reference(x, y)
             (ref_loss / calls).backward()
             mean = loss.detach().clone()

@@ -46,6 +46,9 @@ class Case:
     # AdamW's normalisation turns into steps of 1e-5 relative (pp4 interleaved 1F1B, one replica, where
     # a window changes nothing: 4.5e-5 with AdamW, 3e-7 with SGD, against one process accumulating the same).
     unsynced: bool = False
+    # The window set on a part of the model alone (its middle child with parameters: the GPT's blocks),
+    # whose gradients it holds while the others are reduced at every call (`piper_fx.no_sync`).
+    window_part: bool = False
 
     @property
     def world(self) -> int:
@@ -83,7 +86,7 @@ class Case:
                 f"bucket={self.bucket_mb} overlap={self.overlap} prefetch={self.prefetch} {self.codegen} "
                 f"ac={self.checkpointing} {self.optimizer}{' on-meta' if self.on_meta else ''}"
                 f"{' resized' if self.resized else ''}{' frozen' if self.frozen else ''}"
-                f"{' unsynced' if self.unsynced else ''}")
+                f"{' unsynced' if self.unsynced else ''}{' (part)' if self.window_part else ''}")
 
 
 def expected_errors(case: Case) -> set[str]:
@@ -140,7 +143,8 @@ def cases(draw) -> Case:
                 prefetch=draw(st.sampled_from((0, 1, 2))), optimizer=optimizer,
                 checkpointing=draw(st.sampled_from(("none", "full", "selective"))), on_meta=draw(st.booleans()),
                 resized=draw(st.booleans()), frozen=draw(st.booleans()),
-                unsynced=optimizer == "sgd" and draw(st.booleans()))
+                unsynced=(unsynced := optimizer == "sgd" and draw(st.booleans())),
+                window_part=unsynced and draw(st.booleans()))
 
 
 def train_case(rank: int, world: int, case: Case) -> dict:
@@ -163,7 +167,8 @@ def train_case(rank: int, world: int, case: Case) -> dict:
             resized = together if case.dp == 1 or case.ep > 1 else apart
         result = train_and_compare(rank, world, case.options(), case.optimizer, steps=3, per_rank_batch=rows,
                                    per_rank_batches=resized, on_meta=case.on_meta, frozen=case.frozen,
-                                   unsynced_steps=(0,) if case.unsynced else (), **model)
+                                   unsynced_steps=(0,) if case.unsynced else (), window_part=case.window_part,
+                                   **model)
     except PiperConfigError as e:
         return {"config_error": (e.key, str(e))}
     return {"loss_error": max(result["loss_errors"]), "param_error": max(result["param_errors"].values()),

@@ -21,6 +21,9 @@ TWO_RANKS = [
     # by the strategy search: the dense parameters were taken for experts by their group, and kept
     # unreduced).
     {"options": {"mesh": {"dp": 2, "ep": 2}}, "experts": 4},
+    # A window on a submodule alone: its parameters' gradients held, the others' reduced at every call.
+    {"options": {"zero": 0}, "part": "blocks.0"},
+    {"options": {"zero": 3}, "part": "blocks.1", "context": False},
 ]
 FOUR_RANKS = [
     # A tied embedding read by both stages: its two reads' whole gradients summed across the stages.
@@ -32,6 +35,10 @@ FOUR_RANKS = [
     # Blocks of experts over ep 2, each held by 2 ranks: summed over their ep group's tokens in every
     # call, averaged over their 2 holders at the window's end; the dense parameters at ZeRO-2.
     {"options": {"mesh": {"dp": 4, "ep": 2}, "zero": 2}, "experts": 4},
+    # A window on the last block alone, which the second stage holds: every rank runs the program
+    # without reductions until its gradients are reduced, the first stage's ranks too, which hold
+    # none of them (they ran the program with reductions, and the stages waited on each other's sends).
+    {"options": {**PIPELINE, "zero": 2}, "part": "blocks.3"},
 ]
 
 
@@ -54,9 +61,12 @@ def _check_window(config: dict, rank: int, run: dict, calls: int = 3) -> None:
     worst = max(run["param_errors"], key=run["param_errors"].get)
     assert run["param_errors"][worst] < RTOL, (config, rank, worst, run["param_errors"][worst])
     if config.get("window", True):
-        # Inside a window no parameter's gradient changes and no gradient is reduced; its last call reduces.
+        # Inside a window no gradient of its parameters changes (a part's: the others' do); no gradient
+        # is reduced (a part's: the others' are), and its last call reduces.
         assert run["grads_changed_in_window"] == [False] * len(run["grads_changed_in_window"]), (config, rank)
-        for call, comm in enumerate(run["comm_bytes"]):
+        assert run["others_changed_in_window"] == ["part" in config] * len(run["grads_changed_in_window"]), \
+            (config, rank)
+        for call, comm in enumerate([] if "part" in config else run["comm_bytes"]):
             reduced = _reductions(comm)
             assert bool(reduced) == (call % calls == calls - 1), (config, rank, call, run["comm_bytes"])
 
@@ -65,6 +75,25 @@ def test_a_window_holds_its_gradients_and_trains_as_one_process(two_ranks):
     for index, config in enumerate(TWO_RANKS):
         for rank, ranks in enumerate(two_ranks):
             _check_window(config, rank, ranks[index])
+
+
+def test_a_window_on_a_submodule_holds_its_gradients_alone(two_ranks):
+    # As FSDP2's set_requires_gradient_sync on a submodule: the others are reduced at every call.
+    # (A window's synchronization was its model's first parameter's: the submodule's calls reduced
+    # every gradient, or none.)
+    for config in (c for c in TWO_RANKS if "part" in c):
+        zero = config["options"]["zero"]
+        synced = TWO_RANKS.index({"options": {"zero": zero}, "window": False})
+        for rank, ranks in enumerate(two_ranks):
+            run, per_call = ranks[TWO_RANKS.index(config)], _reductions(ranks[synced]["comm_bytes"][0])
+            for call, comm in enumerate(run["comm_bytes"]):
+                kind, = per_call
+                if call % 3 == 2:
+                    assert _reductions(comm) == per_call, (config, rank, call, run["comm_bytes"])
+                elif zero == 0:  # the others' whole gradients, all-reduced
+                    assert _reductions(comm) == {kind: per_call[kind] - run["window_bytes"]}, (config, rank, call)
+                else:  # their padded rows, reduce-scattered
+                    assert 0 < _reductions(comm)[kind] < per_call[kind], (config, rank, call, run["comm_bytes"])
 
 
 def test_a_window_reduces_once_what_each_call_would_have_reduced(two_ranks):

@@ -95,7 +95,7 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
                       capacity_factor: float | None = None, model_kwargs: dict | None = None,
                       keywords: bool = False, on_meta: bool = False,
                       per_rank_batches: list[int | list[int]] | None = None, frozen: bool = False,
-                      unsynced_steps: tuple[int, ...] = ()) -> dict:
+                      unsynced_steps: tuple[int, ...] = (), window_part: bool = False) -> dict:
     """Train with piper_fx on this rank's shard and, alongside, one model on the global batch.
 
     With `same_init=False` each rank initializes its own model from its own seed;
@@ -109,7 +109,9 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     first parameter and the one halfway down `named_parameters()` have `requires_grad=False`
     from before `prepare` on both sides, as fine-tuning freezes some: neither side trains them.
     The steps in `unsynced_steps` accumulate gradients into the next: piper_fx's call runs in
-    `piper_fx.no_sync`, and neither side steps its optimizer after it.
+    `piper_fx.no_sync`, and neither side steps its optimizer after it; with `window_part`, the
+    window holds a part of the model alone (its middle child with parameters), whose other
+    parameters are reduced at every call.
     """
     from models import MODELS, batch
 
@@ -145,6 +147,8 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
         module.register_forward_hook(lambda m, inputs, output: expert_loads.append(
             (inputs[0].abs().sum(-1) > 0).sum(-1).tolist()))
     step = torch.compile(model, backend="piper", options=options)
+    parts = [child for child in model.children() if any(True for _ in child.parameters())]
+    windowed = parts[len(parts) // 2] if window_part else step
 
     loss_errors = []
     for i in range(len(per_rank_batches) if per_rank_batches else steps):
@@ -156,7 +160,7 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
         parts = list(zip(x.split(replica_rows), y.split(replica_rows)))
         lx, ly = parts[rank % dp]
         unsynced = i in unsynced_steps
-        with piper_fx.no_sync(step) if unsynced else contextlib.nullcontext():
+        with piper_fx.no_sync(windowed) if unsynced else contextlib.nullcontext():
             named = dict(zip(inspect.signature(model.forward).parameters, (lx, ly)))
             loss = step(**named) if keywords else step(lx, ly)
             loss.backward()

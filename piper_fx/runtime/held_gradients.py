@@ -21,7 +21,8 @@ step hands over as it hands over its program's.
 
 The window's collectives run after its last call's program, not overlapped with its
 backward as that program's would be: the cost of one reduction a window, where the
-window saved one a call.
+window saved one a call. (While a window holds some of a model's parameters alone, a
+submodule's, the others' are reduced so after each call's program.)
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from ..collectives.buckets import FLAT_BUCKET
 from ..collectives.lowering import pad_rows
 from ..compat import leaf_use, resolve_process_group
 from ..errors import PiperError
-from ..gradient_sync import SyncWindow
+from ..gradient_sync import hold, set_pending, take
 from ..sharding.experts import is_expert_parameter
 
 _c10d = torch.ops._c10d_functional
@@ -110,42 +111,49 @@ class GradientReduction:
         return _Piece(flat.contiguous(), grad.shape, dtype, parameter.dtype, group, shard_rows, "all_reduce")
 
 
-def held_until_synced(reduction: GradientReduction, window: SyncWindow | None, synced: bool,
+def held_until_synced(reduction: GradientReduction, off: frozenset[int],
                       args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
                       nodes: Sequence[torch.autograd.graph.Node | None],
                       sent: dict[str, int]) -> dict[int, torch.Tensor]:
     """The gradients to hand over from a program that leaves them unreduced, `nodes` saying
-    where each argument's goes. A gradient the backward adds into `.grad` (`backward()`) is
-    held in the model's `window`: from a call made while synchronization was off, none is
-    handed over; from the first call made with it on (`synced`), everything held for the
-    parameter with this call's, reduced (`held_gradients`). One the backward leaves out
-    (`backward(inputs=...)` not naming its parameter) is dropped, as PyTorch computes none.
-    One `torch.autograd.grad` takes is this call's alone, reduced where synchronization is
-    on (what is held stays for the next call that accumulates); where it is off, a
-    `PiperError`: the window hands no gradient back before its end, and a replica's
-    unreduced one is not a gradient of its parameters. The bytes sent are added to `sent`."""
-    if not grads:  # no parameter of this rank's stages has one
-        return grads
-    held, taken = [], []
+    where each argument's goes and `off` which of `args` had their synchronization off when
+    the call was made. A gradient the backward adds into `.grad` (`backward()`) is held for
+    its parameter (`gradient_sync.hold`) where synchronization was off, and handed over
+    otherwise, reduced with what was held for it (`GradientReduction`); every rank records
+    which parameters' gradients are held (`gradient_sync.set_pending`) from the backward's
+    use of each, its own or not. One the backward leaves out (`backward(inputs=...)` not
+    naming its parameter) is dropped, as PyTorch computes none. One `torch.autograd.grad`
+    takes is this call's alone, reduced where synchronization is on (what is held stays for
+    the next call that accumulates); where it is off, a `PiperError`: a window hands no
+    gradient back before its end, and a replica's unreduced one is not a gradient of its
+    parameters. The bytes sent are added to `sent`."""
+    uses = [leaf_use(node) for node in nodes]
+    if any(uses[index] == "captured" for index in off):
+        raise PiperError(
+            "torch.autograd.grad of a step called while its model's gradient synchronization is off "
+            "(piper_fx.no_sync, or set_requires_gradient_sync(model, False)): the window holds each call's "
+            "gradients, unreduced, until its first call with synchronization on reduces them, and hands none "
+            "back before. Call torch.autograd.grad on a call made with synchronization on, or accumulate "
+            "with loss.backward()")
+    for index, use in enumerate(uses):
+        if use == "accumulated":
+            set_pending(args[index], index in off)
+    reduced, unreduced = [], []
     for index, grad in grads.items():
-        use = leaf_use(nodes[index])
+        use = uses[index]
+        if use == "left out":
+            continue
         if use == "captured":
-            taken.append(index)
-        elif use != "left out":
-            window.hold(args[index], reduction.held(grad))
-            held.append(index)
-    if not synced:
-        if taken:
-            raise PiperError(
-                "torch.autograd.grad of a step called while its model's gradient synchronization is off "
-                "(piper_fx.no_sync, or set_requires_gradient_sync(model, False)): the window holds each call's "
-                "gradients, unreduced, until its first call with synchronization on reduces them, and hands none "
-                "back before. Call torch.autograd.grad on a call made with synchronization on, or accumulate "
-                "with loss.backward()")
+            reduced.append(index)
+            unreduced.append(reduction.held(grad))
+            continue
+        hold(args[index], reduction.held(grad))
+        if index not in off:
+            reduced.append(index)
+            unreduced.append(take(args[index]))
+    if not reduced:
         return {}
-    indices = held + taken
-    unreduced = [window.take(args[i]) for i in held] + [reduction.held(grads[i]) for i in taken]
-    return dict(zip(indices, reduction([args[i] for i in indices], unreduced, sent)))
+    return dict(zip(reduced, reduction([args[i] for i in reduced], unreduced, sent)))
 
 
 def _issue(pieces: list["_Piece"], sent: dict[str, int]) -> torch.Tensor:

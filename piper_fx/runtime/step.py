@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from ..compat import DTensorSpec, has_grad_hooks, leaf_use, local_tensor
 from ..debug import DebugDump
 from ..errors import PiperError
-from ..gradient_sync import SyncWindow, window_of
+from ..gradient_sync import held_gradients, requires_sync
 from ..ir import HELD_ROLES, GraphInput, GraphOutput, InputRole, OutputRole
 from ..philox import StepRandomness
 from ..sharding.dtensor_params import accumulate_grad, parameter_grad, program_tensor, stood_for
@@ -277,13 +277,13 @@ class CompiledStep:
                                  f"this step was compiled for requires_grad={requires_grad}: the compiled model "
                                  "compiles anew for it at its next call")
 
-    def window(self, args: Sequence[torch.Tensor]) -> SyncWindow | None:
-        """The `no_sync` window of the model of `args` (the call's, parameters stood in), found
-        from a parameter this rank computes a gradient of."""
-        return window_of(args[self.grad_outputs[0][1]]) if self.grad_outputs else None
+    def sync_off(self, args: Sequence[torch.Tensor]) -> frozenset[int]:
+        """Which of `args` (the call's, parameters stood in) have their gradient synchronization
+        off (`piper_fx.no_sync`): of all the model's parameters, whether this rank computes
+        their gradients or not, so that every rank records the same ones as held."""
+        return frozenset(index for index, arg in enumerate(args) if not requires_sync(arg))
 
-    def _held(self, parameters: list[torch.Tensor], tensors: list[torch.Tensor],
-              window: SyncWindow | None) -> dict[str, int]:
+    def _held(self, parameters: list[torch.Tensor], tensors: list[torch.Tensor]) -> dict[str, int]:
         """The memory parts held throughout a step: the storage of the parameters and
         buffers (none for those of pipeline stages this rank does not run, released when
         the step was compiled) as the program reads them (`tensors`), their optimizer
@@ -295,7 +295,7 @@ class CompiledStep:
             self._held_key = key
             self._held_bytes = {"parameters": storage_bytes(t for p, t in zip(parameters, tensors) if is_stored(p)),
                                 "optimizer_state": optimizer_state_bytes(parameters)}
-        held = window.held.values() if window is not None else ()
+        held = held_gradients(parameters) if self.holds else ()
         return {**self._held_bytes, "gradients": storage_bytes([*(p.grad for p in parameters), *held])}
 
     def run_program(self, args: Sequence[torch.Tensor]):
@@ -321,7 +321,7 @@ class CompiledStep:
         parameters = [args[index] for index in self.held_indices]
         tensors = self._reads(parameters)
         values.update(zip(self.held_keys, tensors))
-        held = self._held(parameters, tensors, self.window(args) if self.holds else None) if self.training else {}
+        held = self._held(parameters, tensors) if self.training else {}
         program_started = time.perf_counter()
         results, self.last_run = self.executor.run(values, call, held)
         program_ended = time.perf_counter()
@@ -378,10 +378,9 @@ class _StepFunction(torch.autograd.Function):
         ctx.run = step.last_run  # where the hand-over's time goes
         ctx.attached, ctx.loss_index = step.attached, step.loss_index
         ctx.holds = step.holds
-        # The model's window, and whether it reduces at this call's backward: decided at the call,
-        # as DDP's `no_sync` is (a forward inside the window whose backward runs after it holds).
-        ctx.window = step.window(args) if step.holds else None
-        ctx.synced = ctx.window is not None and ctx.window.requires_sync
+        # Which parameters' gradients this call's backward holds rather than reduces: decided at
+        # the call, as DDP's `no_sync` is (a forward inside the window whose backward runs after it holds).
+        ctx.off = step.sync_off(args) if step.holds else frozenset()
         # Only the loss carries gradient; the others are plain values, but for those the model
         # made with a gradient, attached so that one reached in the backward is refused.
         ctx.mark_non_differentiable(*(value for index, value in enumerate(user_outputs) if index != step.loss_index
@@ -413,7 +412,7 @@ class _StepFunction(torch.autograd.Function):
             torch._foreach_mul_(list(grads.values()), loss_seed)
         if ctx.holds is not None:
             nodes = _arg_nodes(args, ctx.next_functions)
-            grads = held_until_synced(ctx.holds, ctx.window, ctx.synced, args, grads, nodes,
+            grads = held_until_synced(ctx.holds, ctx.off, args, grads, nodes,
                                       ctx.run.held_reduction_bytes)
             handed = (None, *_hand_over(args, grads, lambda: nodes))
         else:
