@@ -452,6 +452,9 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
         holds=None if strategy.gradient_sync or strategy.dp == 1 else GradientReduction(
             strategy.zero, planned.dp_group, strategy.mixed_precision.reduction_dtype,
             int(strategy.bucket_mb * 2**20), strategy.ep > 1, expert_replica_group_name(strategy)),
+        broadcasts=planned.dp_group if strategy.broadcast_buffers and strategy.dp > 1 and any(
+            i.role is InputRole.BUFFER for i in planned.inputs) and any(
+            i.role in (InputRole.PARAM, InputRole.PARAM_SHARD) for i in planned.inputs) else None,
     )
 
 

@@ -361,7 +361,7 @@ def capture(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, dp_gro
     output_node = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
     outputs, kept = describe_outputs(output_node, arg_indices, loss, attached)
     if training:
-        check_one_scalar_loss(joint, inputs, outputs, strategy.microbatches)
+        check_one_scalar_loss(joint, inputs, outputs, strategy.microbatches, gm)
     if strategy.microbatches > 1:
         check_outputs_split_by_rows(joint, inputs, outputs, made, strategy.microbatches)
 

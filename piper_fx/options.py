@@ -14,6 +14,7 @@ Each option maps onto the pass that consumes it:
 | bucket_mb    | passes.bucket_collectives (size cap of one flat bucket)  |
 | overlap      | passes.reorder_for_overlap (prefetch gathers, sink waits)|
 | prefetch     | passes.reorder_for_overlap (ZeRO-3 layers gathered ahead)|
+| broadcast_buffers | runtime.step (buffers from the first replica, DDP's)  |
 | units        | sharding.units (the layers ZeRO-3 gathers one at a time) |
 | mixed_precision | capture (casts traced into the program),              |
 |              | passes.unshard_parameters (gathers in param_dtype),      |
@@ -43,7 +44,7 @@ from .errors import PiperConfigError
 ZERO_LEVELS = (0, 1, 2, 3)
 CODEGENS = ("inductor", "eager")
 MESH_DIMS = ("pp", "dp", "ep")
-TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "overlap", "prefetch", "units", "mixed_precision",
+TOP_LEVEL_KEYS = ("mesh", "zero", "bucket_mb", "overlap", "prefetch", "broadcast_buffers", "units", "mixed_precision",
                   "activation_checkpointing", "codegen", "regions", "profile", "debug_dir", "pipeline", "directives")
 PIPELINE_KEYS = ("schedule", "microbatches", "stages_per_rank")
 MIXED_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
@@ -81,6 +82,9 @@ class Strategy:
     bucket_mb: float = 25.0
     overlap: bool = True
     prefetch: int = 1
+    # DDP's `broadcast_buffers=True`: each training call with gradient synchronization on first
+    # gives every replica the first one's buffers (`runtime.step`).
+    broadcast_buffers: bool = False
     # Patterns naming the model's units (module class names or fnmatch patterns on module
     # names); None: found automatically (`sharding.units`).
     units: tuple[str, ...] | None = None
@@ -135,7 +139,8 @@ class Strategy:
         """What every rank must agree on (the debug directory may differ per rank)."""
         schedule = self.schedule if isinstance(self.schedule, str) else (
             self.schedule.name, self.schedule.stage_to_rank, tuple(tuple(map(str, row)) for row in self.schedule.actions))
-        return (self.dp, self.pp, self.ep, self.zero, self.bucket_mb, self.overlap, self.prefetch, self.units,
+        return (self.dp, self.pp, self.ep, self.zero, self.bucket_mb, self.overlap, self.prefetch,
+                self.broadcast_buffers, self.units,
                 self.mixed_precision, self.activation_checkpointing, self.codegen, self.regions, schedule,
                 self.microbatches, self.stages_per_rank)
 
@@ -222,6 +227,9 @@ def _parse_communication(options: Mapping[str, Any]) -> dict[str, Any]:
     prefetch = options.get("prefetch", 1)
     if not _is_int(prefetch) or prefetch < 0:
         raise PiperConfigError("prefetch", prefetch, "an int >= 0: how many ZeRO-3 layers to gather ahead")
+    broadcast_buffers = options.get("broadcast_buffers", False)
+    if not isinstance(broadcast_buffers, bool):
+        raise PiperConfigError("broadcast_buffers", broadcast_buffers, "True or False")
     units = options.get("units")
     if units is not None and (isinstance(units, str) or not isinstance(units, (list, tuple)) or not units
                               or not all(isinstance(p, str) and p for p in units)):
@@ -229,7 +237,7 @@ def _parse_communication(options: Mapping[str, Any]) -> dict[str, Any]:
                                                "of module class names ('LlamaDecoderLayer') or fnmatch patterns on "
                                                "module names ('model.layers.*')")
     return {"bucket_mb": float(bucket_mb), "overlap": overlap, "prefetch": prefetch,
-            "units": None if units is None else tuple(units)}
+            "broadcast_buffers": broadcast_buffers, "units": None if units is None else tuple(units)}
 
 
 def _parse_dtype(key: str, value: Any) -> torch.dtype | None:

@@ -204,14 +204,15 @@ def describe_outputs(output_node: fx.Node, arg_indices: list[int], loss: int | N
 
 
 def check_one_scalar_loss(joint: fx.GraphModule, inputs: list[GraphInput], outputs: list[GraphOutput],
-                          microbatches: int) -> None:
-    """A training graph has one differentiable output: the scalar loss (`loss_index`)."""
+                          microbatches: int, gm: fx.GraphModule) -> None:
+    """A training graph has one differentiable output: the scalar loss (`loss_index`); else
+    the error says where Dynamo broke the model's graph (`gm`, Dynamo's), if it did."""
     tangents = [i for i in inputs if i.role is InputRole.TANGENT]
     loss = next((o for o in outputs if o.role is OutputRole.LOSS), None)
     loss_val = next((n.meta["val"] for n in joint.graph.nodes if loss and n.name == loss.name), None)
     if loss_val is None or len(tangents) != 1 or loss_val.numel() != 1:
         raise _not_one_scalar_loss(len(tangents), tuple(loss_val.shape) if loss_val is not None else None,
-                                   microbatches)
+                                   microbatches, graph_break(gm))
 
 
 def check_outputs_split_by_rows(joint: fx.GraphModule, inputs: list[GraphInput], outputs: list[GraphOutput],

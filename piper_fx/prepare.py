@@ -55,6 +55,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     """
     strategy = parse_options_on_all_ranks(options)
     _check_recurrent_layers_traced(model)
+    _check_no_sync_batch_norm(model, strategy)
     applied = prepared_layout(model)
     if applied is not None:
         if applied != strategy.layout_key():
@@ -121,6 +122,21 @@ def _check_recurrent_layers_traced(model: nn.Module) -> None:
             "torch._dynamo.config.allow_rnn = True; without it Dynamo runs them, and on one rank or in "
             "a pipeline alone the whole forward, eagerly, outside piper_fx's step (no pipeline, no "
             "data parallelism): set it before compiling")
+
+
+def _check_no_sync_batch_norm(model: nn.Module, strategy: Strategy) -> None:
+    """`nn.SyncBatchNorm` gathers its batch statistics with collectives inside its forward when
+    the process group has more than one rank, which Dynamo does not trace: it gives up on the
+    model's frame and compiles parts of it, none a training step. piper_fx computes a batch
+    norm's statistics over each replica's rows, as DDP without SyncBatchNorm and FSDP2 do."""
+    synced = [f"{name} ({type(module).__name__})" for name, module in model.named_modules()
+              if isinstance(module, nn.SyncBatchNorm)]
+    if synced and strategy.world_size > 1:
+        raise PiperError(
+            f"the model's {', '.join(synced)} gathers its batch statistics across ranks with collectives in "
+            "its forward, which Dynamo does not trace. piper_fx computes each batch norm's statistics over "
+            "its replica's rows, as DDP without SyncBatchNorm and FSDP2 do: build the model with "
+            "nn.BatchNorm1d/2d/3d (or do not convert it with nn.SyncBatchNorm.convert_sync_batchnorm)")
 
 
 def _check_experts(experts: dict[str, nn.Parameter], ep: int) -> None:

@@ -19,6 +19,7 @@ from ranks import RankFailed, run_ranks, run_ranks_collect
     ({"bucket_mb": 0}, "bucket_mb"),
     ({"bucket_mb": "25"}, "bucket_mb"),
     ({"overlap": "yes"}, "overlap"),
+    ({"broadcast_buffers": 1}, "broadcast_buffers"),
     ({"profile": 1}, "profile"),
     ({"regions": 1}, "regions"),
     ({"regions": "layers"}, "regions"),
@@ -209,6 +210,22 @@ def _prepare_twice_with_other_layout(rank, world):
 def test_prepare_again_with_another_layout_is_an_error():
     with pytest.raises(RankFailed, match="already prepared"):
         run_ranks(_prepare_twice_with_other_layout, 2, deadline_s=60)
+
+
+def _prepare_sync_batch_norm(rank, world):
+    from models import ConvNet
+
+    piper_fx.prepare(ConvNet(), {"codegen": "eager"})  # BatchNorm: each replica's statistics
+    piper_fx.prepare(torch.nn.SyncBatchNorm.convert_sync_batchnorm(ConvNet()), {"codegen": "eager"})
+
+
+def test_sync_batch_norm_is_refused_by_prepare():
+    """Found probing PyTorch's layers: Dynamo gave up on a model with `nn.SyncBatchNorm` (its
+    collectives) and compiled a parameter's read on its own, which piper_fx refused as a graph
+    that returns no loss, naming no cause."""
+    with pytest.raises(RankFailed, match=r"the model's norm1 \(SyncBatchNorm\) gathers its batch statistics "
+                                         r"across ranks"):
+        run_ranks(_prepare_sync_batch_norm, 2, deadline_s=60)
 
 
 def _rank_one_dies_mid_training(rank, world):

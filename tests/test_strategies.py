@@ -15,10 +15,12 @@ shrinking of a failing case).
 import os
 import re
 
+import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
+from ranks import run_ranks
 from strategy_space import Case, cases, check_outcomes, train_case
-from training import frozen_worker, local_rows_worker, pipeline_worker, recurrent_worker
+from training import ddp_buffers_worker, frozen_worker, local_rows_worker, pipeline_worker, recurrent_worker
 
 EXAMPLES = int(os.environ.get("PIPER_STRATEGY_EXAMPLES", "0"))
 PROFILE = settings(
@@ -144,6 +146,30 @@ def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):
     # (no I or W task for the schedule's actions, `split_stages`).
     zbv = {"mesh": {"pp": 2}, "pipeline": {"schedule": "zbv", "microbatches": 2}, "codegen": "inductor"}
     _trains_as_one_process(rank_pools, [(2, {"zero": 2, "codegen": "inductor"}, "conv"), (2, zbv, "conv_group_norm")])
+
+
+def test_broadcast_buffers_gives_every_replica_the_first_ones_buffers_as_ddp():
+    """`broadcast_buffers=True`, DDP's default: each training call with gradient synchronization
+    on starts from the first replica's buffers (not in a `no_sync` window, nor in eval); without
+    it each replica keeps its own, as DDP with `broadcast_buffers=False` and FSDP2. Both equal
+    DDP's on every rank: losses, running statistics, and an eval call's loss, which reads them."""
+    runs = [{"codegen": "eager", "broadcast_buffers": True}, {"codegen": "eager"},
+            {"codegen": "eager", "zero": 3, "broadcast_buffers": True}]
+    for rank, outcome in enumerate(run_ranks(ddp_buffers_worker, 2, runs, deadline_s=300)):
+        for options, run in zip(runs, outcome):
+            # Before the first call, the window's first and the evaluation; not after the window's first.
+            # The buffers each call reads: a batch norm's 8 means and 8 variances, and in training its
+            # count (int64).
+            expected = [72, 72, 0, 64] if options.get("broadcast_buffers") else [0] * 4
+            assert run["broadcast_bytes"] == expected, (options, rank, run["broadcast_bytes"])
+            torch.testing.assert_close(run["losses"]["piper"], run["losses"]["ddp"], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{options} rank {rank}: {m}")
+            torch.testing.assert_close(run["buffers"]["piper"], run["buffers"]["ddp"], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{options} rank {rank}: {m}")
+        # The second replica's statistics: rank 0's before each synchronizing call, or its own.
+        broadcast, own = outcome[0]["buffers"]["ddp"], outcome[1]["buffers"]["ddp"]
+        differ = not torch.allclose(broadcast["norm1.running_mean"], own["norm1.running_mean"])
+        assert differ == (rank == 1), (rank, broadcast, own)
 
 
 def test_buffers_the_forward_mutates_are_updated_microbatch_by_microbatch(rank_pools):

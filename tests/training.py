@@ -858,6 +858,58 @@ def padded(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return x, y.masked_fill(mask == 0, -100), mask
 
 
+def ddp_buffers_worker(rank: int, world: int, runs: list[dict]) -> list[dict]:
+    """The ConvNet (its BatchNorm's running statistics) trained by piper_fx with each of `runs`'
+    options and by DDP with their `broadcast_buffers` (default False), on this rank's rows of
+    each batch: 3 calls and 2 SGD steps, the second call in a window (`piper_fx.no_sync`,
+    DDP's `no_sync()`, where neither broadcasts), then a call in eval mode without gradients.
+    Per run: each side's losses (the eval call's last) and buffers, and the bytes piper_fx's
+    calls broadcast (`last_step_stats`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from models import ConvNet, conv_batch
+
+    out = []
+    for options in runs:
+        torch.manual_seed(rank)  # replicas built unlike: both sides start from rank 0's
+        model = ConvNet()
+        reference = DistributedDataParallel(copy.deepcopy(model), broadcast_buffers=options.get("broadcast_buffers",
+                                                                                                 False))
+        piper_fx.prepare(model, options)
+        step = torch.compile(model, backend="piper", options=options)
+        opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
+        losses: dict[str, list[float]] = {"piper": [], "ddp": []}
+        broadcast = []
+        for call in range(3):
+            x, y = (part.chunk(world)[rank] for part in conv_batch(call, 4 * world))
+            windowed = call == 1
+            with piper_fx.no_sync(step) if windowed else contextlib.nullcontext():
+                loss = step(x, y)
+                loss.backward()
+            with reference.no_sync() if windowed else contextlib.nullcontext():
+                ref_loss = reference(x, y)
+                ref_loss.backward()
+            losses["piper"].append(loss.item())
+            losses["ddp"].append(ref_loss.item())
+            broadcast.append(piper_fx.last_step_stats()["comm_bytes"].get("broadcast", 0))
+            if not windowed:
+                for stepped in (opt, ref_opt):
+                    stepped.step()
+                    stepped.zero_grad()
+        model.eval()
+        reference.eval()
+        with torch.no_grad():
+            x, y = (part.chunk(world)[rank] for part in conv_batch(3, 4 * world))
+            losses["piper"].append(step(x, y).item())
+            losses["ddp"].append(reference(x, y).item())
+            broadcast.append(piper_fx.last_step_stats()["comm_bytes"].get("broadcast", 0))
+        out.append({"losses": losses, "broadcast_bytes": broadcast, "buffers": {
+            "piper": {name: b.clone() for name, b in model.named_buffers()},
+            "ddp": {name: b.clone() for name, b in reference.module.named_buffers()}}})
+        torch._dynamo.reset()
+    return out
+
+
 def local_rows_worker(rank: int, world: int, options: dict, model: str = "batch_norm") -> dict:
     """A model whose step depends on which rows it computes together (its forward mutates
     buffers from them, or its loss mixes them) trained 3 steps (SGD) on this rank's share of

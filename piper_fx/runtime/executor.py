@@ -102,8 +102,9 @@ class StepRun:
     its peak (`memory`) with the memory parts the step held throughout (`held`), its counts,
     and the host seconds of the compiled step's own work around the program, which the step
     sets: in the call (`call_s`) and in `loss.backward()` (`hand_over_s`, once it ran), with the
-    bytes of the collectives it ran there (`held_reduction_bytes`: the last call of a
-    `piper_fx.no_sync` window reduces what the window held). The stats are put together when
+    bytes of the collectives it ran there (`eager_bytes`: the last call of a
+    `piper_fx.no_sync` window reduces what the window held; with `broadcast_buffers` the call
+    broadcasts the buffers). The stats are put together when
     asked for, not in every step."""
 
     timeline: StepTimeline
@@ -114,7 +115,7 @@ class StepRun:
     p2p_batches: int
     call_s: float = 0.0
     hand_over_s: float = 0.0
-    held_reduction_bytes: dict[str, int] = field(default_factory=dict)
+    eager_bytes: dict[str, int] = field(default_factory=dict)
 
     @functools.cached_property
     def _program_stats(self) -> dict:
@@ -126,7 +127,7 @@ class StepRun:
     def stats(self) -> dict:
         """Its stats (`piper_fx.last_step_stats` lists the keys)."""
         stats = dict(self._program_stats)
-        for kind, nbytes in self.held_reduction_bytes.items():
+        for kind, nbytes in self.eager_bytes.items():
             stats["comm_bytes"] = {**stats["comm_bytes"], kind: stats["comm_bytes"].get(kind, 0) + nbytes}
         stats["step_call_s"] = call = self.call_s + self.hand_over_s
         total = stats["step_s"] + call

@@ -39,8 +39,9 @@ from ..errors import PiperError
 from ..gradient_sync import held_gradients, requires_sync
 from ..ir import HELD_ROLES, GraphInput, GraphOutput, InputRole, OutputRole
 from ..philox import StepRandomness
-from ..sharding.dtensor_params import accumulate_grad, parameter_grad, program_tensor, stood_for
+from ..sharding.dtensor_params import accumulate_grad, parameter_grad, parameter_records, program_tensor, stood_for
 from ..sharding.holdings import is_stored
+from ..sharding.replicas import broadcast_buffers
 from . import failures
 from .executor import ProgramExecutor, StepRun
 from .held_gradients import GradientReduction, held_until_synced
@@ -80,7 +81,9 @@ def last_step_stats() -> dict:
     - `comm_bytes`: bytes this rank contributes per collective kind
       (`all_gather`, `reduce_scatter`, `all_reduce`, `all_to_all`) and sent
       point to point (`send`), with, at the last call of a `piper_fx.no_sync`
-      window, those of the window's reduction (once its backward ran);
+      window, those of the window's reduction (once its backward ran), and with
+      the option `broadcast_buffers`, the buffers broadcast before the call
+      (`broadcast`: the first replica's sent, the others' received);
     - `peak_activation_bytes`: the most bytes of per-microbatch values the
       program made (activations saved for backward, received tensors) held at once;
     - `memory`: where this rank's memory went at the step's peak, in bytes: its
@@ -162,6 +165,11 @@ class _ProgramReads:
         return tensors
 
 
+# Each model whose buffers its calls broadcast (`broadcast_buffers`), by its first parameter:
+# whether its next call broadcasts them (`CompiledStep._broadcast_buffers`).
+_BROADCAST_NEXT = parameter_records()
+
+
 class CompiledStep:
     def __init__(self, executor: ProgramExecutor, inputs: Sequence[GraphInput], outputs: Sequence[GraphOutput],
                  seed_shape: torch.Size | None, seed_dtype: torch.dtype | None, seed_device: torch.device | None,
@@ -169,11 +177,16 @@ class CompiledStep:
                  batch_shapes: dict[int, tuple[int, ...]], dump: DebugDump | None = None,
                  randomness: StepRandomness | None = None, specs: dict[int, DTensorSpec] | None = None,
                  placeholders: Mapping[int, bool] | None = None, themselves: Sequence[tuple[int, int]] = (),
-                 numbers: Sequence[tuple[int, object]] = (), holds: GradientReduction | None = None):
+                 numbers: Sequence[tuple[int, object]] = (), holds: GradientReduction | None = None,
+                 broadcasts: str | None = None):
         self.executor = executor
         # Given for the program without gradient reductions (`piper_fx.no_sync`): its gradients
         # are held in the model's window, and reduced so at the window's last call.
         self.holds = holds
+        # DDP's `broadcast_buffers=True`: the dp group (its name) whose first rank's buffers every
+        # replica takes before a call (`_broadcast_buffers`), and the argument that is the model's
+        # first parameter, which stands for the model in `_BROADCAST_NEXT`.
+        self.broadcasts = broadcasts
         self.randomness = randomness  # feeds the graph's random ops (`InputRole.RNG`), if it has any
         self.dump = dump
         self.steps_run = 0
@@ -182,6 +195,8 @@ class CompiledStep:
         # Dynamo sees the batch size as symbolic and would not recompile for another.
         self.batch_shapes = batch_shapes
         self.inputs = list(inputs)
+        self.model_key = next((i.arg_index for i in self.inputs if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)),
+                              None)
         self.outputs = list(outputs)
         # The incoming gradient of each microbatch's loss, made where the loss is (the model's device).
         self.seed_shape, self.seed_dtype, self.seed_device = seed_shape, seed_dtype, seed_device
@@ -322,9 +337,12 @@ class CompiledStep:
         tensors = self._reads(parameters)
         values.update(zip(self.held_keys, tensors))
         held = self._held(parameters, tensors) if self.training else {}
+        broadcast = self._broadcast_buffers(args) if self.broadcasts is not None else 0
         program_started = time.perf_counter()
         results, self.last_run = self.executor.run(values, call, held)
         program_ended = time.perf_counter()
+        if broadcast:
+            self.last_run.eager_bytes["broadcast"] = broadcast
         _latest_run = self.last_run
         self.steps_run += 1
         if self.dump is not None and self.dump.enabled and self.steps_run <= TRACED_STEPS:
@@ -338,6 +356,22 @@ class CompiledStep:
         grads = {index: results[name] for name, index in self.grad_outputs if name in results}
         self.last_run.call_s = program_started - started + time.perf_counter() - program_ended
         return user_outputs, grads
+
+    def _broadcast_buffers(self, args: Sequence[torch.Tensor]) -> int:
+        """Give this replica the first one's buffers (those of this rank's stages) where the
+        model's previous call trained with gradient synchronization on, or this is its first, as
+        DDP with `broadcast_buffers=True` does before a forward (its `require_forward_param_sync`,
+        which each forward sets for the next): so the call after a `piper_fx.no_sync` window's
+        first does not, and an evaluation after training reads the first replica's buffers on
+        every replica. The bytes broadcast."""
+        model = args[self.model_key]
+        now = _BROADCAST_NEXT.get(model, True)
+        _BROADCAST_NEXT[model] = self.training and not (self.holds is not None and self.sync_off(args))
+        if not now:
+            return 0
+        buffers = [args[i.arg_index] for i in self.inputs if i.role is InputRole.BUFFER]
+        buffers = [b for b in buffers if is_stored(b)]
+        return broadcast_buffers(buffers, self.broadcasts) if buffers else 0
 
     def _stand_in(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """`args` with each program placeholder's parameter in its place. A placeholder follows
@@ -413,7 +447,7 @@ class _StepFunction(torch.autograd.Function):
         if ctx.holds is not None:
             nodes = _arg_nodes(args, ctx.next_functions)
             grads = held_until_synced(ctx.holds, ctx.off, args, grads, nodes,
-                                      ctx.run.held_reduction_bytes)
+                                      ctx.run.eager_bytes)
             handed = (None, *_hand_over(args, grads, lambda: nodes))
         else:
             handed = (None, *_hand_over(args, grads, lambda: _arg_nodes(args, ctx.next_functions)))

@@ -8,7 +8,7 @@ or built on the meta device and materialized after it).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,28 @@ def broadcast_from_first_replica(tensors: Iterable[torch.Tensor], group_name: st
             continue
         dist.broadcast(tensor.to_local() if isinstance(tensor, DTensor) else tensor.data, src=source, group=group)
         setattr(tensor, _SYNCED_ATTR, True)
+
+
+@torch.no_grad()
+def broadcast_buffers(buffers: Sequence[torch.Tensor], group_name: str) -> int:
+    """Overwrite `buffers` (plain tensors) with the values of the dp group's first rank
+    (collective), as DDP with `broadcast_buffers=True` does before each forward: one broadcast
+    of a flat copy per dtype, as DDP coalesces them. Returns the bytes this rank broadcast (the
+    source's sent, the others' received)."""
+    group = resolve_process_group(group_name)
+    source = dist.get_global_rank(group, 0)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in buffers:
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    moved = 0
+    for tensors in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in tensors])  # a copy: the others' copied back below
+        dist.broadcast(flat, src=source, group=group)
+        moved += flat.numel() * flat.element_size()
+        if dist.get_rank() != source:
+            for tensor, value in zip(tensors, flat.split([t.numel() for t in tensors])):
+                tensor.copy_(value.view_as(tensor))
+    return moved
 
 
 def mark_unsynchronized(parameter: DTensor) -> None:
