@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .compat import dynamo_config, maybe_mark_dynamic
+from .compat import dynamo_config, maybe_mark_dynamic, resolve_process_group
 from .errors import PiperConfigError, PiperError
 from .options import Strategy, parse_options_on_all_ranks
 from .sharding.read_through import gathers_in_eager_forward, laid_out_on_meta, replicate_parameters, trace_in_dtype
@@ -21,6 +21,7 @@ from .sharding.holdings import Holding, held_parameters, hide_released_parameter
 from .sharding.mesh import dp_group_name, expert_replica_group_name, strategy_mesh
 from .sharding.replicas import broadcast_from_first_replica
 from .sharding.row_shard import shard_parameters, sharded_parameter_info
+from .sharding.sync_batch_norm import replica_sync_batch_norms
 
 _LAYOUT_ATTR = "_piper_layout_key"
 
@@ -55,7 +56,6 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     """
     strategy = parse_options_on_all_ranks(options)
     _check_recurrent_layers_traced(model)
-    _check_no_sync_batch_norm(model, strategy)
     applied = prepared_layout(model)
     if applied is not None:
         if applied != strategy.layout_key():
@@ -69,6 +69,7 @@ def prepare(model: nn.Module, options: Mapping[str, Any] | None = None) -> nn.Mo
     if strategy.ep > 1:
         _check_experts(experts, strategy.ep)
     broadcast_from_first_replica([*model.parameters(), *model.buffers()], group_name)
+    replica_sync_batch_norms(model, resolve_process_group(group_name) if strategy.dp > 1 else None)
     if strategy.shards_parameters:
         # Experts shared out over ep are replicated over the dp/ep groups, never ZeRO-sharded on top;
         # with ep = 1 they are parameters like any other, sharded and reduced by ZeRO.
@@ -122,21 +123,6 @@ def _check_recurrent_layers_traced(model: nn.Module) -> None:
             "torch._dynamo.config.allow_rnn = True; without it Dynamo runs them, and on one rank or in "
             "a pipeline alone the whole forward, eagerly, outside piper_fx's step (no pipeline, no "
             "data parallelism): set it before compiling")
-
-
-def _check_no_sync_batch_norm(model: nn.Module, strategy: Strategy) -> None:
-    """`nn.SyncBatchNorm` gathers its batch statistics with collectives inside its forward when
-    the process group has more than one rank, which Dynamo does not trace: it gives up on the
-    model's frame and compiles parts of it, none a training step. piper_fx computes a batch
-    norm's statistics over each replica's rows, as DDP without SyncBatchNorm and FSDP2 do."""
-    synced = [f"{name} ({type(module).__name__})" for name, module in model.named_modules()
-              if isinstance(module, nn.SyncBatchNorm)]
-    if synced and strategy.world_size > 1:
-        raise PiperError(
-            f"the model's {', '.join(synced)} gathers its batch statistics across ranks with collectives in "
-            "its forward, which Dynamo does not trace. piper_fx computes each batch norm's statistics over "
-            "its replica's rows, as DDP without SyncBatchNorm and FSDP2 do: build the model with "
-            "nn.BatchNorm1d/2d/3d (or do not convert it with nn.SyncBatchNorm.convert_sync_batchnorm)")
 
 
 def _check_experts(experts: dict[str, nn.Parameter], ep: int) -> None:

@@ -212,20 +212,18 @@ def test_prepare_again_with_another_layout_is_an_error():
         run_ranks(_prepare_twice_with_other_layout, 2, deadline_s=60)
 
 
-def _prepare_sync_batch_norm(rank, world):
+def _prepare_sync_batch_norm_of_its_own_group(rank, world):
+    import torch.distributed as dist
     from models import ConvNet
 
-    piper_fx.prepare(ConvNet(), {"codegen": "eager"})  # BatchNorm: each replica's statistics
-    piper_fx.prepare(torch.nn.SyncBatchNorm.convert_sync_batchnorm(ConvNet()), {"codegen": "eager"})
+    group = dist.new_group([0, 1])
+    piper_fx.prepare(torch.nn.SyncBatchNorm.convert_sync_batchnorm(ConvNet(), group), {"codegen": "eager"})
 
 
-def test_sync_batch_norm_is_refused_by_prepare():
-    """Found probing PyTorch's layers: Dynamo gave up on a model with `nn.SyncBatchNorm` (its
-    collectives) and compiled a parameter's read on its own, which piper_fx refused as a graph
-    that returns no loss, naming no cause."""
-    with pytest.raises(RankFailed, match=r"the model's norm1 \(SyncBatchNorm\) gathers its batch statistics "
-                                         r"across ranks"):
-        run_ranks(_prepare_sync_batch_norm, 2, deadline_s=60)
+def test_sync_batch_norm_over_a_group_of_its_own_is_refused_by_prepare():
+    with pytest.raises(RankFailed, match=r"the model's norm1 \(SyncBatchNorm\) synchronizes over a process "
+                                         r"group of its own"):
+        run_ranks(_prepare_sync_batch_norm_of_its_own_group, 2, deadline_s=60)
 
 
 def _rank_one_dies_mid_training(rank, world):

@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from ranks import run_ranks
 from strategy_space import Case, cases, check_outcomes, train_case
-from training import ddp_buffers_worker, frozen_worker, local_rows_worker, pipeline_worker, recurrent_worker
+from training import (ddp_buffers_worker, frozen_worker, local_rows_worker, pipeline_worker, recurrent_worker,
+                      sync_batch_norm_worker)
 
 EXAMPLES = int(os.environ.get("PIPER_STRATEGY_EXAMPLES", "0"))
 PROFILE = settings(
@@ -170,6 +171,21 @@ def test_broadcast_buffers_gives_every_replica_the_first_ones_buffers_as_ddp():
         broadcast, own = outcome[0]["buffers"]["ddp"], outcome[1]["buffers"]["ddp"]
         differ = not torch.allclose(broadcast["norm1.running_mean"], own["norm1.running_mean"])
         assert differ == (rank == 1), (rank, broadcast, own)
+
+
+def test_sync_batch_norm_normalizes_by_every_replicas_rows_as_one_process():
+    """`nn.SyncBatchNorm` (`convert_sync_batchnorm`) trains as one process's `BatchNorm2d` on the
+    global batch, microbatch by microbatch, running statistics and an evaluation included. Found
+    probing PyTorch's layers: Dynamo gave up on its forward (its eager collectives), compiled a
+    parameter's read on its own, and piper_fx refused that as a graph without a loss, naming no
+    cause (eager PyTorch refuses it on a CPU)."""
+    pipeline = {"mesh": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}, "codegen": "eager"}
+    for world, options in ((2, {"codegen": "eager", "zero": 3, "pipeline": {"microbatches": 2}}),
+                           (2, {"codegen": "inductor"}), (4, pipeline)):
+        for rank, run in enumerate(run_ranks(sync_batch_norm_worker, world, options, deadline_s=300)):
+            assert max(run["loss_errors"]) < 1e-5, (options, rank, run["loss_errors"])
+            worst = max(run["errors"], key=run["errors"].get)
+            assert run["errors"][worst] < 1e-5, (options, rank, worst, run["errors"][worst])
 
 
 def test_buffers_the_forward_mutates_are_updated_microbatch_by_microbatch(rank_pools):

@@ -965,6 +965,58 @@ def local_rows_worker(rank: int, world: int, options: dict, model: str = "batch_
             "same_buffers": all(held is buffers[name] for name, held in model.named_buffers())}
 
 
+def sync_batch_norm_worker(rank: int, world: int, options: dict) -> dict:
+    """The ConvNet with its batch norm made a `nn.SyncBatchNorm` (`convert_sync_batchnorm`),
+    trained 3 SGD steps on this rank's rows of each batch, against one process with a
+    `BatchNorm2d` stepping through the microbatches of the global batch in turn (each the
+    replicas' microbatches together: a synchronized batch norm normalizes by all of their
+    rows), then evaluated on a batch: the relative errors of the losses (the evaluation's
+    last), and of every parameter and buffer (`full_state_dict`'s). Under a pipeline it is not
+    evaluated: the ConvNet's stages are cut by cost, and its eval-mode graph would be cut otherwise."""
+    from models import ConvNet, conv_batch
+
+    torch.manual_seed(0)
+    model, reference = nn.SyncBatchNorm.convert_sync_batchnorm(ConvNet()), ConvNet()
+    reference.load_state_dict(model.state_dict())
+    piper_fx.prepare(model, options)
+    step = torch.compile(model, backend="piper", options=options)
+    opt, ref_opt = make_optimizer("sgd", model.parameters()), make_optimizer("sgd", reference.parameters())
+    mesh = options.get("mesh", {})
+    dp = mesh.get("dp", world // mesh.get("pp", 1))
+    microbatches = options.get("pipeline", {}).get("microbatches", 1)
+    loss_errors = []
+    for i in range(3 if mesh.get("pp", 1) > 1 else 4):
+        x, y = conv_batch(i, 4 * dp * microbatches)  # 4 rows a replica's microbatch
+        training = i < 3
+        model.train(training)
+        reference.train(training)
+        with contextlib.nullcontext() if training else torch.no_grad():
+            loss = step(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
+            if training:
+                loss.backward()
+            loss = loss.detach().clone()
+            ref_loss = 0.0
+            # Microbatch m of the global batch: every replica's microbatch m.
+            parts = [[t.chunk(microbatches) for t in (x_r, y_r)] for x_r, y_r in zip(x.chunk(dp), y.chunk(dp))]
+            for m in range(microbatches):
+                x_m, y_m = (torch.cat([part[k][m] for part in parts]) for k in range(2))
+                microbatch_loss = reference(x_m, y_m) / microbatches
+                if training:
+                    microbatch_loss.backward()
+                ref_loss += microbatch_loss.detach()
+        if training:
+            for stepped in (opt, ref_opt):
+                stepped.step()
+                stepped.zero_grad()
+        if dp > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        loss_errors.append(abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+    full, expected = piper_fx.full_state_dict(model), reference.state_dict()
+    return {"loss_errors": loss_errors, "errors": {name: relative_error(full[name].double(), expected[name].double())
+                                                   for name in expected}}
+
+
 def frozen_worker(rank: int, world: int, options: dict, pp_regions: bool) -> dict:
     """`train_and_compare` of the GPT (AdamW, 3 steps) with two parameters frozen before `prepare`."""
     return train_and_compare(rank, world, options, "adamw_eps", steps=3, pp_regions=pp_regions, frozen=True)
