@@ -234,6 +234,22 @@ def test_a_bucket_gather_holds_every_ranks_shards_flattened_in_rank_order():
         assert checks == {"float32": True, "bfloat16": True, "aliases_a_shard": False}, (rank, checks)
 
 
+def test_every_parameter_a_bucket_gathers_is_contiguous():
+    """A shard of one row a rank gathered as a view of the bucket's rank-major rows is strided
+    (its rows one rank's part apart); where the plan's value of it said contiguous, a task that
+    Inductor compiled for it refused it at run time (Hugging Face's Qwen3-Next, whose (2,)
+    parameters ZeRO-2 shards over dp 2, under pp2 ZBV: "expected size 2==2, stride 2226==1").
+    Each is its own tensor, as when the rows are more (a reshape that copies)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from piper_fx.passes.bucket_collectives import _gather_bucket
+
+    with FakeTensorMode():
+        parts = _gather_bucket([torch.empty(1, 3), torch.empty(1), torch.empty(2, 3)], "0", 2, torch.float32)
+    assert [tuple(p.shape) for p in parts] == [(2, 3), (2,), (4, 3)]
+    assert all(p.is_contiguous() for p in parts), [p.stride() for p in parts]
+
+
 @st.composite
 def _reductions(draw):
     numels = draw(st.lists(st.integers(1, 160).map(lambda k: 2048 * k), min_size=1, max_size=10))

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from ranks import run_ranks
 from strategy_space import Case, cases, check_outcomes, train_case
-from training import (ddp_buffers_worker, frozen_worker, local_rows_worker, pipeline_worker, recurrent_worker,
-                      sync_batch_norm_worker)
+from training import (ddp_buffers_worker, frozen_worker, local_rows_worker, pipeline_evaluation_worker,
+                      pipeline_worker, recurrent_worker, sync_batch_norm_worker)
 
 EXAMPLES = int(os.environ.get("PIPER_STRATEGY_EXAMPLES", "0"))
 PROFILE = settings(
@@ -186,6 +186,15 @@ def test_sync_batch_norm_normalizes_by_every_replicas_rows_as_one_process():
             assert max(run["loss_errors"]) < 1e-5, (options, rank, run["loss_errors"])
             worst = max(run["errors"], key=run["errors"].get)
             assert run["errors"][worst] < 1e-5, (options, rank, worst, run["errors"][worst])
+
+
+def test_an_evaluation_under_a_pipeline_cut_by_cost_is_cut_as_training_was():
+    """Found with `nn.SyncBatchNorm`: a graph without a backward (`torch.no_grad()`) could not be
+    cut into the stages its training graph was cut into by cost (the ConvNet's); autograd numbers
+    none of its ops, which all then seemed parts of one op's decomposition, not to be cut."""
+    options = {"mesh": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}, "codegen": "eager"}
+    for rank, (loss, expected) in enumerate(run_ranks(pipeline_evaluation_worker, 2, options, deadline_s=300)):
+        assert abs(loss - expected) <= 1e-6 * abs(expected), (rank, loss, expected)
 
 
 def test_buffers_the_forward_mutates_are_updated_microbatch_by_microbatch(rank_pools):

@@ -972,7 +972,9 @@ def sync_batch_norm_worker(rank: int, world: int, options: dict) -> dict:
     replicas' microbatches together: a synchronized batch norm normalizes by all of their
     rows), then evaluated on a batch: the relative errors of the losses (the evaluation's
     last), and of every parameter and buffer (`full_state_dict`'s). Under a pipeline it is not
-    evaluated: the ConvNet's stages are cut by cost, and its eval-mode graph would be cut otherwise."""
+    evaluated: the ConvNet's stages are cut by cost, which put the synchronized norm's weight
+    and bias (ops of their own in training) on two stages, where an evaluation's batch norm
+    reads both (a `PiperError` that says to mark the stages)."""
     from models import ConvNet, conv_batch
 
     torch.manual_seed(0)
@@ -1015,6 +1017,28 @@ def sync_batch_norm_worker(rank: int, world: int, options: dict) -> dict:
     full, expected = piper_fx.full_state_dict(model), reference.state_dict()
     return {"loss_errors": loss_errors, "errors": {name: relative_error(full[name].double(), expected[name].double())
                                                    for name in expected}}
+
+
+def pipeline_evaluation_worker(rank: int, world: int, options: dict) -> tuple[float, float]:
+    """The ConvNet (stages cut by cost) trained one call under `options`' pipeline, then
+    evaluated on a batch: its loss and that of one process stepping through the same
+    microbatches (the running statistics updated microbatch by microbatch)."""
+    from models import ConvNet, conv_batch
+
+    torch.manual_seed(0)
+    model, reference = ConvNet(), ConvNet()
+    reference.load_state_dict(model.state_dict())
+    piper_fx.prepare(model, options)
+    step = torch.compile(model, backend="piper", options=options)
+    x, y = conv_batch(0, 8)
+    step(x, y).backward()
+    for x_m, y_m in zip(x.chunk(options["pipeline"]["microbatches"]), y.chunk(options["pipeline"]["microbatches"])):
+        reference(x_m, y_m)
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        x, y = conv_batch(1, 8)
+        return step(x, y).item(), reference(x, y).item()
 
 
 def frozen_worker(rank: int, world: int, options: dict, pp_regions: bool) -> dict:

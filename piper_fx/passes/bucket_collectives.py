@@ -247,12 +247,15 @@ def _repair(users: list[fx.Node]) -> None:
 def _gather_bucket(inputs: list, group_name: str, group_size: int, dtype: torch.dtype) -> list:
     """A bucket's all-gather, traced into the graph: the shards, cast to the gathered dtype
     (the bucket takes a cast's input, and casts it itself), gathered in place by one op
-    (`piper::gather_bucket`), and viewed per tensor. (Inductor's own merge gathers in place
+    (`piper::gather_bucket`), and taken out per tensor, each contiguous: the reshape copies a
+    shard of several rows, and would leave one of a single row a strided view of the bucket
+    (its rows a rank's part apart), which is copied too; the plan's values say contiguous, and
+    a task Inductor compiled for them refused the view. (Inductor's own merge gathers in place
     too, with the `_out` collective into a buffer of the graph's: that trained wrong under
     Inductor on gloo, losses off by 1e-3, and names the rank.)"""
     sizes = [t.numel() for t in inputs]
     gathered = WAIT(GATHER_BUCKET(inputs, group_size, group_name, dtype)).reshape(group_size, -1)
-    return [part.reshape((t.shape[0] * group_size, *t.shape[1:]))
+    return [part.reshape((t.shape[0] * group_size, *t.shape[1:])).contiguous()
             for part, t in zip(torch.split_with_sizes(gathered, sizes, dim=1), inputs)]
 
 

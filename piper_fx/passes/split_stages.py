@@ -147,8 +147,9 @@ def _cut_in_order(dag: TrainingDAG, compute: list[fx.Node], weighted: list[fx.No
         allowed.append([all(ranks_of[s] <= held for held in holders) for s in range(num_stages)])
     # An op may not start a stage in the middle of one autograd op's decomposition (its ops share
     # a `seq_nr`): the op's backward is one, which goes to one stage (`_backward_stages`), and the
-    # stage of its first ops would have none (a group norm as Inductor decomposes it).
-    splits_op = [i > 0 and node.meta.get("seq_nr") is not None
+    # stage of its first ops would have none (a group norm as Inductor decomposes it). Without a
+    # backward (under no_grad), autograd numbers no op: every one has the `seq_nr` of the last it did.
+    splits_op = [dag.training and i > 0 and node.meta.get("seq_nr") is not None
                  and node.meta.get("seq_nr") == weighted[i - 1].meta.get("seq_nr") for i, node in enumerate(weighted)]
     # finishes[i][s][c]: op i may take stage s, where a parameter was read already (c) or not, and
     # the ops after it the rest of s and the stages after, each stage reading a parameter.
