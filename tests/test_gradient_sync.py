@@ -26,8 +26,12 @@ TWO_RANKS = [
     {"options": {"zero": 3}, "part": "blocks.1", "context": False},
 ]
 FOUR_RANKS = [
-    # A tied embedding read by both stages: its two reads' whole gradients summed across the stages.
-    {"options": {**PIPELINE, "zero": 3}},
+    # A tied embedding read by both stages, its two reads' whole gradients summed across the stages at
+    # every call, as the window holds the last block alone, which the second stage holds: every rank
+    # runs the program without reductions until its gradients are reduced, the first stage's ranks too,
+    # which hold none of them (they ran the program with reductions, and the stages waited on each
+    # other's sends).
+    {"options": {**PIPELINE, "zero": 3}, "part": "blocks.3"},
     {"options": {"mesh": {"pp": 2, "dp": 2}, "zero": 2,
                  "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 4, "stages_per_rank": 2}}},
     {"options": {"mesh": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "dualpipev", "microbatches": 4}}},
@@ -35,10 +39,6 @@ FOUR_RANKS = [
     # Blocks of experts over ep 2, each held by 2 ranks: summed over their ep group's tokens in every
     # call, averaged over their 2 holders at the window's end; the dense parameters at ZeRO-2.
     {"options": {"mesh": {"dp": 4, "ep": 2}, "zero": 2}, "experts": 4},
-    # A window on the last block alone, which the second stage holds: every rank runs the program
-    # without reductions until its gradients are reduced, the first stage's ranks too, which hold
-    # none of them (they ran the program with reductions, and the stages waited on each other's sends).
-    {"options": {**PIPELINE, "zero": 2}, "part": "blocks.3"},
 ]
 
 

@@ -150,12 +150,11 @@ def test_buffers_the_forward_mutates_take_their_new_values(rank_pools):
 
 
 def test_broadcast_buffers_gives_every_replica_the_first_ones_buffers_as_ddp():
-    """`broadcast_buffers=True`, DDP's default: each training call with gradient synchronization
-    on starts from the first replica's buffers (not in a `no_sync` window, nor in eval); without
+    """`broadcast_buffers=True`, DDP's default: a call starts from the first replica's buffers
+    where the model's previous call trained with synchronization on, as DDP decides it; without
     it each replica keeps its own, as DDP with `broadcast_buffers=False` and FSDP2. Both equal
     DDP's on every rank: losses, running statistics, and an eval call's loss, which reads them."""
-    runs = [{"codegen": "eager", "broadcast_buffers": True}, {"codegen": "eager"},
-            {"codegen": "eager", "zero": 3, "broadcast_buffers": True}]
+    runs = [{"codegen": "eager", "broadcast_buffers": True}, {"codegen": "eager"}]
     for rank, outcome in enumerate(run_ranks(ddp_buffers_worker, 2, runs, deadline_s=300)):
         for options, run in zip(runs, outcome):
             # Before the first call, the window's first and the evaluation; not after the window's first.
@@ -180,8 +179,7 @@ def test_sync_batch_norm_normalizes_by_every_replicas_rows_as_one_process():
     parameter's read on its own, and piper_fx refused that as a graph without a loss, naming no
     cause (eager PyTorch refuses it on a CPU)."""
     pipeline = {"mesh": {"pp": 2, "dp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}, "codegen": "eager"}
-    for world, options in ((2, {"codegen": "eager", "zero": 3, "pipeline": {"microbatches": 2}}),
-                           (2, {"codegen": "inductor"}), (4, pipeline)):
+    for world, options in ((2, {"codegen": "eager", "zero": 3, "pipeline": {"microbatches": 2}}), (4, pipeline)):
         for rank, run in enumerate(run_ranks(sync_batch_norm_worker, world, options, deadline_s=300)):
             assert max(run["loss_errors"]) < 1e-5, (options, rank, run["loss_errors"])
             worst = max(run["errors"], key=run["errors"].get)
