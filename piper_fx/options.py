@@ -82,8 +82,8 @@ class Strategy:
     bucket_mb: float = 25.0
     overlap: bool = True
     prefetch: int = 1
-    # DDP's `broadcast_buffers=True`: each training call with gradient synchronization on first
-    # gives every replica the first one's buffers (`runtime.step`).
+    # DDP's `broadcast_buffers=True`: before a call whose model's previous call trained with gradient
+    # synchronization on (or its first), every replica takes the first one's buffers (`runtime.step`).
     broadcast_buffers: bool = False
     # Patterns naming the model's units (module class names or fnmatch patterns on module
     # names); None: found automatically (`sharding.units`).

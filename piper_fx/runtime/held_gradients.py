@@ -147,10 +147,12 @@ def held_until_synced(reduction: GradientReduction, off: frozenset[int],
             reduced.append(index)
             unreduced.append(reduction.held(grad))
             continue
-        hold(args[index], reduction.held(grad))
-        if index not in off:
+        if index in off:
+            hold(args[index], reduction.held(grad))
+        else:  # this call's with what was held
+            held = take(args[index])
             reduced.append(index)
-            unreduced.append(take(args[index]))
+            unreduced.append(reduction.held(grad) if held is None else held.add_(reduction.held(grad)))
     if not reduced:
         return {}
     return dict(zip(reduced, reduction([args[i] for i in reduced], unreduced, sent)))

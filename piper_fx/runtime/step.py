@@ -184,8 +184,7 @@ class CompiledStep:
         # are held in the model's window, and reduced so at the window's last call.
         self.holds = holds
         # DDP's `broadcast_buffers=True`: the dp group (its name) whose first rank's buffers every
-        # replica takes before a call (`_broadcast_buffers`), and the argument that is the model's
-        # first parameter, which stands for the model in `_BROADCAST_NEXT`.
+        # replica takes before a call (`_broadcast_buffers`).
         self.broadcasts = broadcasts
         self.randomness = randomness  # feeds the graph's random ops (`InputRole.RNG`), if it has any
         self.dump = dump
@@ -195,8 +194,11 @@ class CompiledStep:
         # Dynamo sees the batch size as symbolic and would not recompile for another.
         self.batch_shapes = batch_shapes
         self.inputs = list(inputs)
+        # The argument that is the model's first parameter, which stands for the model in
+        # `_BROADCAST_NEXT`, and those that are its buffers.
         self.model_key = next((i.arg_index for i in self.inputs if i.role in (InputRole.PARAM, InputRole.PARAM_SHARD)),
                               None)
+        self.buffer_indices = [i.arg_index for i in self.inputs if i.role is InputRole.BUFFER]
         self.outputs = list(outputs)
         # The incoming gradient of each microbatch's loss, made where the loss is (the model's device).
         self.seed_shape, self.seed_dtype, self.seed_device = seed_shape, seed_dtype, seed_device
@@ -369,8 +371,7 @@ class CompiledStep:
         _BROADCAST_NEXT[model] = self.training and not (self.holds is not None and self.sync_off(args))
         if not now:
             return 0
-        buffers = [args[i.arg_index] for i in self.inputs if i.role is InputRole.BUFFER]
-        buffers = [b for b in buffers if is_stored(b)]
+        buffers = [args[i] for i in self.buffer_indices if is_stored(args[i])]
         return broadcast_buffers(buffers, self.broadcasts) if buffers else 0
 
     def _stand_in(self, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
