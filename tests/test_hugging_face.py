@@ -30,6 +30,12 @@ PADDED = SWEEP or [("llama", "zero3"), ("bert", "1f1b")]
 # `allclose` allows, within this much of each one's largest value (the strategy tests' bound):
 # Gemma 2's embedding, scaled and tied to its head, and the soft-capped logits (measured 3.0e-6).
 PARAM_ERROR = {"gemma2": 1e-5}
+# Under Inductor, the generated kernels round otherwise than eager PyTorch: one process's
+# `torch.compile` of Gemma 2 ends 3 steps of the search's training 1.6e-5 of its largest value
+# from eager on the embedding (1.2e-5 on the first layer's norm), and piper_fx with Inductor
+# 2.2e-5 from eager (with eager codegen 2.0e-6; found by `PIPER_HF_EXAMPLES=60`: Gemma 2 under
+# 1F1B, padded, its lengths changing).
+INDUCTOR_PARAM_ERROR = 5e-5
 
 
 def _check_parity(results: list[dict], param_error: float = 0.0) -> None:
@@ -276,7 +282,8 @@ def hf_cases(draw) -> tuple[str, int, dict, bool, bool, list[int] | None, bool, 
 @given(case=hf_cases())
 def test_generated_strategies_train_hugging_face_models_as_one_process_does(case):
     """Within 1e-5 of one process's losses and parameters (of each one's largest value, the
-    strategy tests' bound): microbatches and ranks sum a batch's rows otherwise than one process."""
+    strategy tests' bound; parameters within `INDUCTOR_PARAM_ERROR` under Inductor): microbatches
+    and ranks sum a batch's rows otherwise than one process."""
     name, world, options, pad, on_meta, lengths, itself, unsynced = case
     print(name, world, options, "padded" if pad else "", "on meta" if on_meta else "", lengths or "",
           "itself" if itself else "", "unsynced" if unsynced else "")
@@ -284,7 +291,8 @@ def test_generated_strategies_train_hugging_face_models_as_one_process_does(case
     # microbatches' mean loss the batch's.
     rows = 2 * options["pipeline"]["microbatches"] if "pipeline" in options else 4
     _check_parity(run_ranks(hf_parity_worker, world, name, options, 3, rows, pad, False, on_meta, lengths,
-                            itself, (0,) if unsynced else (), deadline_s=400), param_error=1e-5)
+                            itself, (0,) if unsynced else (), deadline_s=400),
+                  param_error=INDUCTOR_PARAM_ERROR if options["codegen"] == "inductor" else 1e-5)
 
 
 def test_a_multi_output_op_at_a_stage_boundary_stays_with_its_parts():
