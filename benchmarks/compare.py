@@ -26,12 +26,17 @@ default, as torchtitan steps it (its `optimizer.implementation` defaults to
 "fused"); `foreach` (torch's default on GPUs) dispatches each of its dozen
 foreach ops through DTensor where parameters are DTensors (piper_fx's,
 FSDP2's), and `for-loop` (torch's CPU default) each op of each parameter.
-Pairs: ZeRO-0 vs DDP, ZeRO-3 vs FSDP2 `fully_shard`, ZeRO-2 vs FSDP2 with
+Pairs: ZeRO-0 vs DDP, ZeRO-1 vs DDP with `ZeroRedundancyOptimizer` (PyTorch's
+ZeRO-1), ZeRO-3 vs FSDP2 `fully_shard`, ZeRO-2 vs FSDP2 with
 `reshard_after_forward=False`, and each pipeline schedule (gpipe, 1f1b,
 interleaved_1f1b, zbv, dualpipev) vs torch.distributed.pipelining's same
 schedule (it refuses compiled stages for the zero-bubble schedules, which split
-the backward: those run eager only). Pipelines use one block per stage and
-untied embeddings on both sides. The model is the example GPT (2 blocks of width
+the backward: those run eager only). Pipelines alone use one block per stage and
+untied embeddings on both sides. From 4 ranks, 1F1B over pp = world / 2 with
+each stage data parallel over dp 2 too, as torchtitan composes them: ZeRO-0, 2
+and 3 vs the pipelining stage under DDP, FSDP2 without resharding (torchtitan's
+default under a pipeline) and FSDP2, the `--n-layer` blocks split over the
+stages. The model is the example GPT (2 blocks of width
 64 by default; `--n-layer` and `--n-embd` set the data-parallel pairs' depth and
 every pair's width): on a small model the fixed costs of a step (Dynamo's
 entry, the optimizer's per-parameter dispatch) weigh more than on a large one.
@@ -68,12 +73,12 @@ CFG = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64)
 WARMUP = 3
 PEAK_STEPS = 3  # steps whose least peak allocation is a side's
 ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
+_ADAMW_KWARGS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
 
 
 def adamw(params, implementation: str) -> torch.optim.AdamW:
     """AdamW with one of `ADAMW_IMPLEMENTATIONS`, as torchtitan names them."""
-    kwargs = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
-    return torch.optim.AdamW(params, lr=1e-3, **kwargs[implementation])
+    return torch.optim.AdamW(params, lr=1e-3, **_ADAMW_KWARGS[implementation])
 
 
 def batch(step: int, rows: int):
@@ -83,20 +88,25 @@ def batch(step: int, rows: int):
 
 
 class Built(NamedTuple):
-    """A side as its maker builds it: the training step, the parameters, and the bytes its
+    """A side as its maker builds it: the training step, the parameters, the bytes its
     library keeps from one step to the next besides the parameters, their gradients and
-    their optimizer state (DDP's gradient buckets, a pipeline stage's receive buffers)."""
+    their optimizer state (DDP's gradient buckets, a pipeline stage's receive buffers), and
+    the optimizer it steps them with, given the parameters and an AdamW implementation
+    (`adamw`'s AdamW over them unless it says otherwise)."""
 
     step: Callable
     params: Iterable[torch.Tensor]
     kept_bytes: Callable[[], int] = lambda: 0
+    optimizer: Callable[[list, str], torch.optim.Optimizer] = adamw
 
 
 def _resident_bytes(params, opt) -> int:
     """Bytes of the distinct storages of parameters, gradients and optimizer state (none of a
-    pipeline stage's parameters this rank released)."""
+    pipeline stage's parameters this rank released; ZeroRedundancyOptimizer's state: its local
+    optimizer's, this rank's shard)."""
     tensors = [p for p in params if is_stored(p)] + [p.grad for p in params if p.grad is not None]
-    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    state = getattr(opt, "optim", opt).state
+    tensors += [v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return storage_bytes(tensors)
 
 
@@ -128,9 +138,9 @@ class _Side:
     def build(self) -> None:
         torch.manual_seed(0)
         model = GPT(self.cfg)
-        step, params, self.kept_bytes = self.make_step(model)
+        step, params, self.kept_bytes, optimizer = self.make_step(model)
         self.step, self.params = step, list(params)
-        self.opt = adamw(self.params, self.implementation)
+        self.opt = optimizer(self.params, self.implementation)
 
     def run(self, i: int) -> float:
         """Step `i` (the global batch's share of this rank), timed between barriers."""
@@ -216,17 +226,28 @@ def piper(options):
     return make
 
 
-def ddp(compiled: bool):
+def ddp(compiled: bool, zero_redundancy: bool = False):
     """DDP; compiled, around a compiled model (DDP's own graph breaks at its buckets, as with
-    torch.compile(DDP(model)))."""
+    torch.compile(DDP(model))). With `zero_redundancy`, its parameters stepped by
+    `ZeroRedundancyOptimizer` (PyTorch's ZeRO-1: each rank steps and keeps the optimizer state
+    of its share of the parameters, and broadcasts them to the others)."""
     def make(model):
         from torch.nn.parallel import DistributedDataParallel
         wrapped = DistributedDataParallel(model)
 
         def buckets() -> int:  # its reducer's flat buffers, one per bucket, kept for the model's life
             return sum(map(int, re.findall(r"\d+", str(wrapped._get_ddp_logging_data()["bucket_sizes"]))))
-        return Built(torch.compile(wrapped) if compiled else wrapped, wrapped.parameters(), buckets)
+        step = torch.compile(wrapped) if compiled else wrapped
+        if not zero_redundancy:
+            return Built(step, wrapped.parameters(), buckets)
+        return Built(step, wrapped.parameters(), buckets, _zero_redundancy_adamw)
     return make
+
+
+def _zero_redundancy_adamw(params, implementation: str):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=1e-3,
+                                   **_ADAMW_KWARGS[implementation])
 
 
 def fsdp2(reshard_after_forward: bool, compiled: bool):
@@ -255,19 +276,22 @@ PIPELINE_SCHEDULES = {  # ours -> (torch.distributed.pipelining class name, stag
 
 
 class _Stage(torch.nn.Module):
-    """One block of the GPT; the first stage embeds, the last returns logits."""
+    """Stage `index` of `num_stages`: its equal share of the GPT's blocks, in order; the first
+    stage embeds, the last returns logits."""
 
     def __init__(self, model: GPT, index: int, num_stages: int):
         super().__init__()
         self.first, self.last = index == 0, index == num_stages - 1
         self.embed = torch.nn.ModuleList([model.wte, model.wpe]) if self.first else None
-        self.block = model.blocks[index]
+        per_stage = len(model.blocks) // num_stages
+        self.blocks = torch.nn.ModuleList(model.blocks[index * per_stage:(index + 1) * per_stage])
         self.head = torch.nn.ModuleList([model.ln_f, model.lm_head]) if self.last else None
 
     def forward(self, x):
         if self.first:
             x = self.embed[0](x) + self.embed[1](torch.arange(x.shape[1]))
-        x, _ = self.block(x)  # a dense block's auxiliary loss is None
+        for block in self.blocks:
+            x, _ = block(x)  # a dense block's auxiliary loss is None
         return self.head[1](self.head[0](x)) if self.last else x
 
 
@@ -275,25 +299,41 @@ def _cross_entropy(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def pipelining(schedule: str, microbatches: int, compiled: bool):
-    """torch.distributed.pipelining's `schedule` over all ranks, one block per stage; compiled:
-    each stage module `torch.compile`d."""
+def pipelining(schedule: str, microbatches: int, compiled: bool, dp: int = 1, replicas: str = "DDP"):
+    """torch.distributed.pipelining's `schedule` over pp = world / dp ranks, the GPT's blocks
+    split evenly over the stages; compiled: each stage module `torch.compile`d.
+
+    With dp > 1 the ranks form the mesh (pp, dp), rank = its pp index * dp + its dp index (as
+    piper_fx orders its mesh {"pp": pp, "dp": dp}), and each stage module is replicated over
+    its dp group (`replicas`, a key of `STAGE_REPLICAS`: by DDP, or sharded by FSDP2 as
+    torchtitan applies it to a stage, each block and then the stage, resharding after the
+    forward or not); compiled, each block `.compile()`d as torchtitan compiles a stage's
+    blocks."""
     import torch.distributed.pipelining as pipelining_api
 
     class_name, per_rank, v_shape, _ = PIPELINE_SCHEDULES[schedule]
 
     def make(model):
-        world, rank = dist.get_world_size(), dist.get_rank()
-        num_stages = world * per_rank
+        world = dist.get_world_size()
+        pp, group, dp_mesh = world // dp, None, None
+        if dp > 1:
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+            group, dp_mesh = mesh.get_group("pp"), mesh["dp"]
+        rank = dist.get_rank(group)
+        num_stages = pp * per_rank
         if v_shape:
-            mine = [rank, 2 * world - 1 - rank]
+            mine = [rank, 2 * pp - 1 - rank]
         else:
-            mine = [rank + k * world for k in range(per_rank)]
+            mine = [rank + k * pp for k in range(per_rank)]
         stages = []
         for index in mine:
             module = _Stage(model, index, num_stages)
-            stages.append(pipelining_api.PipelineStage(torch.compile(module) if compiled else module, index,
-                                                       num_stages, torch.device("cpu")))
+            if dp > 1:
+                module = _data_parallel_stage(module, dp_mesh, compiled, replicas)
+            elif compiled:
+                module = torch.compile(module)
+            stages.append(pipelining_api.PipelineStage(module, index, num_stages, torch.device("cpu"), group=group))
         cls = getattr(pipelining_api, class_name)
         runner = cls(stages if per_rank > 1 else stages[0], n_microbatches=microbatches, loss_fn=_cross_entropy)
         holds_first, holds_last = 0 in mine, num_stages - 1 in mine
@@ -309,9 +349,9 @@ def pipelining(schedule: str, microbatches: int, compiled: bool):
                 runner.step(target=y, losses=losses)
             else:
                 runner.step()
-            # Every rank returns the batch's loss, as piper_fx does.
+            # Every rank returns its replica's loss, as piper_fx does.
             loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
-            dist.all_reduce(loss)
+            dist.all_reduce(loss, group=group)
             return loss
 
         def receive_buffers() -> int:  # each stage's, per microbatch, made by its first step and kept
@@ -322,9 +362,30 @@ def pipelining(schedule: str, microbatches: int, compiled: bool):
     return make
 
 
-def piper_pipeline(schedule: str, microbatches: int, codegen: str):
+# How a pipeline stage's module is data parallel over its dp group (`pipelining`'s `replicas`)
+# -> piper_fx's ZeRO level that does the same.
+STAGE_REPLICAS = {"DDP": 0, "FSDP2 no-reshard": 2, "FSDP2": 3}
+
+
+def _data_parallel_stage(module: _Stage, dp_mesh, compiled: bool, replicas: str) -> torch.nn.Module:
+    """`module` over its dp group: each block compiled (`compiled`), then replicated by DDP or
+    sharded by FSDP2 block by block and as a whole (`replicas`, a key of `STAGE_REPLICAS`)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    for block in module.blocks if compiled else ():
+        block.compile()
+    if replicas == "DDP":
+        return DistributedDataParallel(module, process_group=dp_mesh.get_group())
+    reshard = replicas == "FSDP2"
+    for block in module.blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+    return fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+
+
+def piper_pipeline(schedule: str, microbatches: int, codegen: str, dp: int = 1, zero: int = 0):
     def make(model):
-        opts = {"mesh": {"pp": dist.get_world_size()}, "codegen": codegen,
+        mesh = {"pp": dist.get_world_size() // dp, **({"dp": dp} if dp > 1 else {})}
+        opts = {"mesh": mesh, "codegen": codegen, "zero": zero,
                 "pipeline": {"schedule": schedule, "microbatches": microbatches}}
         model.block_context = lambda: piper_fx.annotate("PP")
         piper_fx.prepare(model, opts)
@@ -340,6 +401,8 @@ def run(rank: int, world: int, init_file: str, args, results) -> None:
     pairs = [
         ("zero=0 vs DDP", piper({"zero": 0, "codegen": args.codegen}),
          {"compiled": ddp(True), "eager": ddp(False)}, args.cfg, world),
+        ("zero=1 vs DDP + ZeRO optimizer", piper({"zero": 1, "codegen": args.codegen}),
+         {"compiled": ddp(True, zero_redundancy=True), "eager": ddp(False, zero_redundancy=True)}, args.cfg, world),
         ("zero=3 vs FSDP2", piper({"zero": 3, "codegen": args.codegen}),
          {"compiled": fsdp2(True, True), "eager": fsdp2(True, False)}, args.cfg, world),
         ("zero=2 vs FSDP2 no-reshard", piper({"zero": 2, "codegen": args.codegen}),
@@ -354,6 +417,14 @@ def run(rank: int, world: int, init_file: str, args, results) -> None:
         # The whole global batch enters the pipeline on every rank (dp = 1).
         pairs.append((f"{schedule} vs pipelining", piper_pipeline(schedule, microbatches, args.codegen),
                       native, cfg, 1))
+    if world >= 4 and world % 2 == 0:  # 1F1B over pp = world / 2 ranks, each stage over dp 2, as torchtitan's 2D
+        dp, pp = 2, world // 2
+        cfg = dataclasses.replace(args.cfg, n_layer=pp * max(1, args.cfg.n_layer // pp), tied_embeddings=False)
+        for replicas, zero in STAGE_REPLICAS.items():
+            native = {"compiled": pipelining("1f1b", 2 * pp, True, dp, replicas),
+                      "eager": pipelining("1f1b", 2 * pp, False, dp, replicas)}
+            pairs.append((f"pp{pp}xdp{dp} 1f1b zero={zero} vs {replicas}",
+                          piper_pipeline("1f1b", 2 * pp, args.codegen, dp, zero), native, cfg, dp))
     rows = []
     for index, (name, ours, native, cfg, dp) in enumerate(pairs):
         if args.only and not any(word in name for word in args.only):
@@ -414,7 +485,8 @@ def main() -> None:
     parser.add_argument("--per-rank-batch", type=int, default=8)
     parser.add_argument("--codegen", choices=["inductor", "eager"], default="inductor")
     parser.add_argument("--n-layer", type=int, default=CFG.n_layer,
-                        help="blocks of the data-parallel pairs' GPT (pipelines: one block per stage)")
+                        help="blocks of the data-parallel pairs' GPT (pipelines alone: one block per stage; pp x dp: "
+                             "these blocks split over the stages)")
     parser.add_argument("--n-embd", type=int, default=CFG.n_embd, help="every pair's GPT's width")
     parser.add_argument("--only", nargs="*", help="run only the pairs whose name contains one of these words")
     parser.add_argument("--adamw", choices=ADAMW_IMPLEMENTATIONS, default="fused",
@@ -425,12 +497,13 @@ def main() -> None:
     args.cfg = dataclasses.replace(CFG, n_layer=args.n_layer, n_embd=args.n_embd)
     rows = spawn_ranks(run, args.nproc, args)
     tokens = args.per_rank_batch * args.nproc * CFG.block_size
-    print(f"{args.nproc} CPU ranks (gloo), GPT {args.n_layer}x{args.n_embd} (pipelines: one block per stage), "
+    print(f"{args.nproc} CPU ranks (gloo), GPT {args.n_layer}x{args.n_embd} (pipelines alone: one block per stage), "
           f"{tokens} tokens/step, {args.rounds} rounds of {args.steps} steps after {WARMUP} warm-up, piper_fx "
           f"codegen {args.codegen}, AdamW {args.adamw}; per pair the slowest rank's time and the largest rank's memory; native: the "
           f"faster of compiled and eager; ms: median of the rounds' medians (spread of the rounds); "
           f"ratio = piper / native")
-    header = (f"{'pair':<31} {'piper ms':>13} {'native ms':>13} {'native':>8} {'ratio':>5} {'piper tok/s':>11} "
+    width = max([31, *(len(name) for name, *_ in rows)])
+    header = (f"{'pair':<{width}} {'piper ms':>13} {'native ms':>13} {'native':>8} {'ratio':>5} {'piper tok/s':>11} "
               f"{'piper MB':>8} {'native MB':>9} {'piper RSS':>9} {'native RSS':>10} "
               f"{'cold s':>11} {'warm s':>11} {'runtime':>7} {'us/instr':>8} {'+call':>6} {'piper loss':>10} "
               f"{'native loss':>11}"
@@ -439,7 +512,7 @@ def main() -> None:
     for name, ours, theirs, natives in rows:
         others = ", ".join(f"{n['kind']} {n['step_s'] * 1e3:.1f} ms, cold {n['cold_s']:.1f} s"
                            for n in natives if n is not theirs)
-        print(f"{name:<31} {ours['step_s'] * 1e3:7.1f} ({ours['spread']:3.0%}) "
+        print(f"{name:<{width}} {ours['step_s'] * 1e3:7.1f} ({ours['spread']:3.0%}) "
               f"{theirs['step_s'] * 1e3:7.1f} ({theirs['spread']:3.0%}) {theirs['kind']:>8} "
               f"{ours['step_s'] / theirs['step_s']:5.2f} {tokens / ours['step_s']:11.0f} "
               f"{ours['peak_bytes'] / 2**20:8.2f} {theirs['peak_bytes'] / 2**20:9.2f} "

@@ -101,7 +101,8 @@ def _train(rank: int, world: int, pair: str, side: int, cfg, steps: int) -> floa
     make, cfg, dp = entry[side], entry[2], entry[3]
     torch.manual_seed(0)
     model = compare.GPT(cfg)
-    step, params, _ = make(model)
+    built = make(model)
+    step, params = built.step, built.params
     opt = torch.optim.AdamW(list(params), lr=1e-3, foreach=True)
     seconds = 0.0
     for i in range(1 + steps):

@@ -62,9 +62,9 @@ def run(rank: int, world: int, init_file: str, steps: int, per_rank: int, skip_g
     sides = {}
     for name, make in makers.items():
         torch.manual_seed(0)
-        step, params, _ = make(compare.GPT(cfg))
-        params = list(params)
-        sides[name] = (step, compare.adamw(params, adamw))
+        built = make(compare.GPT(cfg))
+        params = list(built.params)
+        sides[name] = (built.step, built.optimizer(params, adamw))
     times = {name: {phase: [] for phase in (*PHASES, "program", "own")} for name in sides}
     for i in range(WARMUP + steps):
         x, y = compare.batch(i, per_rank * world)
