@@ -237,10 +237,8 @@ def ddp(compiled: bool, zero_redundancy: bool = False):
 
         def buckets() -> int:  # its reducer's flat buffers, one per bucket, kept for the model's life
             return sum(map(int, re.findall(r"\d+", str(wrapped._get_ddp_logging_data()["bucket_sizes"]))))
-        step = torch.compile(wrapped) if compiled else wrapped
-        if not zero_redundancy:
-            return Built(step, wrapped.parameters(), buckets)
-        return Built(step, wrapped.parameters(), buckets, _zero_redundancy_adamw)
+        return Built(torch.compile(wrapped) if compiled else wrapped, wrapped.parameters(), buckets,
+                     _zero_redundancy_adamw if zero_redundancy else adamw)
     return make
 
 
