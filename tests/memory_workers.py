@@ -90,3 +90,35 @@ def light_ops_pipeline_worker(rank: int, world: int, microbatches: int) -> dict:
     errors = [(p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), eager.parameters())
               if p.grad is not None]
     return {"held": held, "grad_error": max(errors)}
+
+
+class EmbeddedLightOps(torch.nn.Module):
+    """A lookup in a table of `vocab` rows of 16, a layer norm, a linear layer up, a GELU and
+    a linear layer down, then a squared error."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.table = torch.nn.Embedding(vocab, 16)
+        self.norm, self.up, self.down = torch.nn.LayerNorm(16), torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, tokens, y):
+        return ((self.down(torch.nn.functional.gelu(self.up(self.norm(self.table(tokens))))) - y) ** 2).mean()
+
+
+def light_ops_zero_worker(rank: int, world: int, zero: int, vocab: int) -> dict:
+    """One step of `EmbeddedLightOps` at `zero` over every rank, 8 tokens a rank: the most
+    bytes of per-microbatch values the rank held at once, and its parameters' gradients'
+    largest difference from eager PyTorch's on the global batch."""
+    options = {"zero": zero, "codegen": "eager"}
+    torch.manual_seed(0)
+    model = EmbeddedLightOps(vocab)
+    eager = copy.deepcopy(model)
+    tokens, y = torch.randint(0, vocab, (8 * world,)), torch.randn(8 * world, 16)
+    piper_fx.prepare(model, options)
+    rows = slice(8 * rank, 8 * (rank + 1))
+    torch.compile(model, backend="piper", options=options)(tokens[rows], y[rows]).backward()
+    held = piper_fx.last_step_stats()["peak_activation_bytes"]
+    eager(tokens, y).backward()
+    errors = [(p.grad.full_tensor() - q.grad).abs().max().item()
+              for p, q in zip(model.parameters(), eager.parameters())]
+    return {"held": held, "grad_error": max(errors)}

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import piper_fx
 from examples.gpt import GPT, GPTConfig
-from memory_workers import light_ops_pipeline_worker
+from memory_workers import light_ops_pipeline_worker, light_ops_zero_worker
 from ranks import run_ranks
 from training import SMALL, global_batch, pipeline_worker
 
@@ -212,3 +212,22 @@ def test_under_a_pipeline_too_what_light_ops_make_from_values_the_backward_reads
     first, second = run_ranks(light_ops_pipeline_worker, 2, microbatches)
     assert first["held"] == microbatches * 2 * (64 + 16) * 4, first
     assert max(first["grad_error"], second["grad_error"]) < 1e-6, (first, second)
+
+
+def test_at_zero_1_and_2_what_light_ops_make_from_gathered_parameters_is_recomputed_too():
+    """ZeRO-1/2 gather each parameter once per step and keep it for the backward, so the
+    backward makes the layer norm's output from its bias and the lookup's from its table as
+    at ZeRO-0, where they are parameters: what crosses is `up`'s output (8 x 64 floats a rank)
+    and the loss's difference (8 x 16), where the layer norm's output, the values its bias
+    made and the lookup's crossed before (11264 bytes). A table larger than what its lookup
+    lets the backward make again (1000 x 16 floats against 8 x 16) is not held for that: the
+    lookup's output crosses, as at ZeRO-3, which would gather the table again. Gradients are
+    eager PyTorch's on the global batch."""
+    kept = (8 * 64 + 8 * 16) * 4
+    lookup = 8 * 16 * 4
+    for vocab, expected in ((4, {0: kept, 1: kept, 2: kept, 3: kept + lookup}),
+                            (1000, {0: kept, 1: kept + lookup, 2: kept + lookup, 3: kept + lookup})):
+        for zero, held in expected.items():
+            ranks = run_ranks(light_ops_zero_worker, 2, zero, vocab)
+            assert [rank["held"] for rank in ranks] == [held, held], (vocab, zero, ranks)
+            assert max(rank["grad_error"] for rank in ranks) < 1e-6, (vocab, zero, ranks)

@@ -35,7 +35,10 @@ layer norm's output from its input. Keeping it would hold its bytes from the
 forward to the backward; recomputing it costs a pointwise pass in the backward,
 and keeps nothing more. (AOTAutograd's min-cut partitioner, which Inductor
 uses, keeps such a value where the backward needs it materialized, as the
-input of a weight gradient's matmul.)
+input of a weight gradient's matmul.) At ZeRO-1/2 a parameter is gathered once
+per step and kept for the backward (`unshard_parameters`), so its gathered
+value counts as a parameter does (`_gathered_for_the_step`): a layer norm's
+output is recomputed from its bias there too, as at ZeRO-0.
 Never recomputed: placeholders, markers (a read of a sharded parameter: the
 collective passes gather it again for the backward), ops inside an EP
 region (recomputing them would dispatch the tokens to the experts again), and
@@ -46,13 +49,14 @@ backward would read the new value (the backward reads their values kept).
 from __future__ import annotations
 
 import operator
+from typing import Collection
 
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..ir import HELD_ROLES, TrainingDAG, forward_nodes
-from ..ops import EXPERT_MARKERS, RECOMPUTES, ZERO_MARKERS, is_heavy
+from ..ops import EXPERT_MARKERS, RECOMPUTES, UNSHARD, ZERO_MARKERS, is_heavy
 from ..options import Strategy
 from ..sharding.units import unit_of
 from .shard_experts import in_expert_region
@@ -94,23 +98,30 @@ def _expert(node: fx.Node) -> bool:
     return in_expert_region(node) or node.target in EXPERT_MARKERS
 
 
-def _free_to_recompute(graph: fx.Graph, forward: set[fx.Node], held: set[str]) -> set[fx.Node]:
+def _read_by_backward(graph: fx.Graph, forward: set[fx.Node]) -> set[fx.Node]:
+    return {value for node in graph.nodes if node.op == "call_function" and node not in forward
+            for value in node.all_input_nodes if value in forward}
+
+
+def _free_to_recompute(graph: fx.Graph, forward: set[fx.Node], held: set[str],
+                       gathered: Collection[fx.Node] = ()) -> set[fx.Node]:
     """The forward values that the backward reads and light ops make from what is kept
-    anyway (`held`: the parameters' and buffers' placeholders, and the values the backward
-    reads that are kept, decided in graph order, so an input is decided before its
-    readers), through values the backward does not read (a GELU's output from its input,
-    viewed for a matmul), or reads and recomputes. Recomputing them keeps no more values
-    from the forward to the backward, and each light op is recomputed at most once. A
+    anyway (`held`: the parameters' and buffers' placeholders; `gathered`: markers whose
+    gathered value the step keeps for its backward; and the values the backward reads that
+    are kept, decided in graph order, so an input is decided before its readers), through
+    values the backward does not read (a GELU's output from its input, viewed for a
+    matmul), or reads and recomputes. Recomputing them keeps no more values from the
+    forward to the backward, and each light op is recomputed at most once. Another
     marker's value (a sharded parameter gathered) is kept only where the backward reads it:
-    recomputing from one the backward does not read would gather it again (an embedding
-    table, for its lookup). A value an EP region's backward reads is kept: a copy read there
-    would be dispatched to the experts again."""
-    read_by_backward = {value for node in graph.nodes if node.op == "call_function" and node not in forward
-                        for value in node.all_input_nodes if value in forward}
+    at ZeRO-3, recomputing from one the backward does not read would gather it again (an
+    embedding table, for its lookup). A value an EP region's backward reads is kept: a copy
+    read there would be dispatched to the experts again."""
+    read_by_backward = _read_by_backward(graph, forward)
     free: set[fx.Node] = set()
 
     def kept(value: fx.Node) -> bool:
-        return (value.op == "placeholder" and value.name in held) or (value in read_by_backward and value not in free)
+        return (value.op == "placeholder" and value.name in held) or value in gathered \
+            or (value in read_by_backward and value not in free)
 
     steps: set[fx.Node] = set()  # the light ops between kept values and the free ones, unread by the backward
     for node in graph.nodes:
@@ -120,6 +131,43 @@ def _free_to_recompute(graph: fx.Graph, forward: set[fx.Node], held: set[str]) -
                 and not any(user not in forward and _expert(user) for user in node.users):
             (free if node in read_by_backward else steps).add(node)
     return free | steps
+
+
+def _bytes(node: fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def _gathered_for_the_step(graph: fx.Graph, forward: set[fx.Node], held: set[str],
+                           strategy: Strategy) -> set[fx.Node]:
+    """The ZeRO markers whose gathered value costs nothing to read in the backward: at ZeRO-1/2
+    every sharded parameter is gathered once per step and its full value kept for the backward
+    (`unshard_parameters`), so a marker the backward reads anyway is one, and so is any other
+    whose value is no larger than the forward values it lets the backward recompute instead of
+    keep (a layer norm's bias against the norm's output): with its gather bucket's other
+    parameters read by the backward it is held anyway, and alone it holds at most what it
+    saves (an embedding table larger than its lookup's output stays out). None at ZeRO-0 (no
+    markers) or ZeRO-3 (reading a gathered value in the backward gathers it again)."""
+    if strategy.zero not in (1, 2):
+        return set()
+    markers = {node for node in graph.nodes if node in forward and node.target is UNSHARD}
+    read = _read_by_backward(graph, forward)
+    while True:
+        free = _free_to_recompute(graph, forward, held, markers)
+        outweighing = set()
+        for marker in markers - read:
+            # The values the backward would recompute through this marker rather than keep.
+            reached, stack = set(), [marker]
+            while stack:
+                for user in stack.pop().users:
+                    if user in free and user not in reached:
+                        reached.add(user)
+                        stack.append(user)
+            if _bytes(marker) > sum(_bytes(value) for value in reached & read):
+                outweighing.add(marker)
+        if not outweighing:
+            return markers
+        markers -= outweighing
 
 
 def _sink_detaches(graph: fx.Graph, forward: set[fx.Node]) -> None:
@@ -140,7 +188,8 @@ def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     graph = dag.joint.graph
     forward = forward_nodes(dag)
     recomputable = {n for n in graph.nodes if n in forward and _recomputable(n, strategy, forward)}
-    recomputable |= _free_to_recompute(graph, forward, {i.name for i in dag.inputs if i.role in HELD_ROLES})
+    held = {i.name for i in dag.inputs if i.role in HELD_ROLES}
+    recomputable |= _free_to_recompute(graph, forward, held, _gathered_for_the_step(graph, forward, held, strategy))
     placeholders = dag.placeholders()
     updated = {placeholders[graph_input.name] for _, graph_input in dag.mutated_inputs()}
     recomputable -= {n for n in recomputable if any(value in updated for value in n.all_input_nodes)}
