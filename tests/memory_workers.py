@@ -92,33 +92,50 @@ def light_ops_pipeline_worker(rank: int, world: int, microbatches: int) -> dict:
     return {"held": held, "grad_error": max(errors)}
 
 
-class EmbeddedLightOps(torch.nn.Module):
-    """A lookup in a table of `vocab` rows of 16, a layer norm, a linear layer up, a GELU and
-    a linear layer down, then a squared error."""
+class _NormedUp(torch.nn.Module):
+    """A layer norm whose scale and shift are this module's parameters, then a linear layer up."""
 
-    def __init__(self, vocab: int):
+    def __init__(self):
         super().__init__()
-        self.table = torch.nn.Embedding(vocab, 16)
-        self.norm, self.up, self.down = torch.nn.LayerNorm(16), torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+        self.scale, self.shift = torch.nn.Parameter(torch.rand(16) + 0.5), torch.nn.Parameter(torch.randn(16))
+        self.up = torch.nn.Linear(16, 64)
 
-    def forward(self, tokens, y):
-        return ((self.down(torch.nn.functional.gelu(self.up(self.norm(self.table(tokens))))) - y) ** 2).mean()
+    def forward(self, x):
+        return self.up(torch.nn.functional.layer_norm(x, (16,)) * self.scale + self.shift)
 
 
-def light_ops_zero_worker(rank: int, world: int, zero: int, vocab: int) -> dict:
-    """One step of `EmbeddedLightOps` at `zero` over every rank, 8 tokens a rank: the most
+class EmbeddedLightOps(torch.nn.Module):
+    """A lookup in a table of `vocab` rows of 16 (none: the input is the rows), a `_NormedUp`
+    (in a module list: a unit of ZeRO-3, whose backward gathers the up projection's weight
+    again, and reads neither the shift nor, the input needing no gradient, the scale), a
+    GELU and a linear layer down, then a squared error."""
+
+    def __init__(self, vocab: int | None):
+        super().__init__()
+        self.table = torch.nn.Embedding(vocab, 16) if vocab else None
+        self.blocks = torch.nn.ModuleList([_NormedUp()])
+        self.down = torch.nn.Linear(64, 16)
+
+    def forward(self, x, y):
+        x = self.table(x) if self.table is not None else x
+        return ((self.down(torch.nn.functional.gelu(self.blocks[0](x))) - y) ** 2).mean()
+
+
+def light_ops_zero_worker(rank: int, world: int, zero: int, vocab: int | None) -> dict:
+    """One step of `EmbeddedLightOps` at `zero` over every rank, 8 rows a rank: the most
     bytes of per-microbatch values the rank held at once, and its parameters' gradients'
     largest difference from eager PyTorch's on the global batch."""
     options = {"zero": zero, "codegen": "eager"}
     torch.manual_seed(0)
     model = EmbeddedLightOps(vocab)
     eager = copy.deepcopy(model)
-    tokens, y = torch.randint(0, vocab, (8 * world,)), torch.randn(8 * world, 16)
+    x = torch.randint(0, vocab, (8 * world,)) if vocab else torch.randn(8 * world, 16)
+    y = torch.randn(8 * world, 16)
     piper_fx.prepare(model, options)
     rows = slice(8 * rank, 8 * (rank + 1))
-    torch.compile(model, backend="piper", options=options)(tokens[rows], y[rows]).backward()
+    torch.compile(model, backend="piper", options=options)(x[rows], y[rows]).backward()
     held = piper_fx.last_step_stats()["peak_activation_bytes"]
-    eager(tokens, y).backward()
+    eager(x, y).backward()
     errors = [(p.grad.full_tensor() - q.grad).abs().max().item()
               for p, q in zip(model.parameters(), eager.parameters())]
     return {"held": held, "grad_error": max(errors)}

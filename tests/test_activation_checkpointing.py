@@ -214,20 +214,23 @@ def test_under_a_pipeline_too_what_light_ops_make_from_values_the_backward_reads
     assert max(first["grad_error"], second["grad_error"]) < 1e-6, (first, second)
 
 
-def test_at_zero_1_and_2_what_light_ops_make_from_gathered_parameters_is_recomputed_too():
-    """ZeRO-1/2 gather each parameter once per step and keep it for the backward, so the
-    backward makes the layer norm's output from its bias and the lookup's from its table as
-    at ZeRO-0, where they are parameters: what crosses is `up`'s output (8 x 64 floats a rank)
-    and the loss's difference (8 x 16), where the layer norm's output, the values its bias
-    made and the lookup's crossed before (11264 bytes). A table larger than what its lookup
-    lets the backward make again (1000 x 16 floats against 8 x 16) is not held for that: the
-    lookup's output crosses, as at ZeRO-3, which would gather the table again. Gradients are
-    eager PyTorch's on the global batch."""
-    kept = (8 * 64 + 8 * 16) * 4
+def test_at_every_zero_level_what_light_ops_make_from_gathered_parameters_is_recomputed_too():
+    """A gathered parameter that the backward can read without another collective counts as
+    a parameter does: at ZeRO-1/2, which gather each parameter once per step and keep it for
+    the backward, and at ZeRO-3 within a unit whose parameters the backward gathers again (the
+    up projection's weight, which the shift joins). So the backward makes the layer norm's
+    shifted output again from the shift, and the lookup's output from the table, as at ZeRO-0,
+    where both are parameters, and the same bytes cross from the forward to the backward at
+    every level (where the shifted output and what the gathered parameters made crossed
+    before: 11776 bytes at ZeRO-1/2 and 3584 at ZeRO-3, against 3072 without a table). A table larger than what its lookup lets the backward
+    make again (1000 x 16 floats against 8 x 16) is not held for that, nor at ZeRO-3 a table
+    whose gather the backward would make for it alone: there the lookup's output crosses too.
+    Gradients are eager PyTorch's on the global batch."""
     lookup = 8 * 16 * 4
-    for vocab, expected in ((4, {0: kept, 1: kept, 2: kept, 3: kept + lookup}),
-                            (1000, {0: kept, 1: kept + lookup, 2: kept + lookup, 3: kept + lookup})):
-        for zero, held in expected.items():
+    for vocab, extra in ((None, {1: 0, 2: 0, 3: 0}), (4, {1: 0, 2: 0, 3: lookup}),
+                         (1000, {1: lookup, 2: lookup, 3: lookup})):
+        plain = run_ranks(light_ops_zero_worker, 2, 0, vocab)[0]["held"]
+        for zero, more in extra.items():
             ranks = run_ranks(light_ops_zero_worker, 2, zero, vocab)
-            assert [rank["held"] for rank in ranks] == [held, held], (vocab, zero, ranks)
+            assert [rank["held"] for rank in ranks] == [plain + more] * 2, (vocab, zero, plain, ranks)
             assert max(rank["grad_error"] for rank in ranks) < 1e-6, (vocab, zero, ranks)

@@ -35,10 +35,13 @@ layer norm's output from its input. Keeping it would hold its bytes from the
 forward to the backward; recomputing it costs a pointwise pass in the backward,
 and keeps nothing more. (AOTAutograd's min-cut partitioner, which Inductor
 uses, keeps such a value where the backward needs it materialized, as the
-input of a weight gradient's matmul.) At ZeRO-1/2 a parameter is gathered once
-per step and kept for the backward (`unshard_parameters`), so its gathered
-value counts as a parameter does (`_gathered_for_the_step`): a layer norm's
-output is recomputed from its bias there too, as at ZeRO-0.
+input of a weight gradient's matmul.) A sharded parameter's gathered value that
+the backward can read without another collective counts as a parameter does
+(`_gathered_anyway`), so a layer norm's output is recomputed from its bias at
+every ZeRO level: at ZeRO-1/2 every parameter is gathered once per step and kept
+for the backward (`unshard_parameters`); at ZeRO-3 the backward gathers each
+unit again, and a parameter of a unit whose other parameters it gathers joins
+that gather.
 Never recomputed: placeholders, markers (a read of a sharded parameter: the
 collective passes gather it again for the backward), ops inside an EP
 region (recomputing them would dispatch the tokens to the experts again), and
@@ -58,8 +61,9 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ..ir import HELD_ROLES, TrainingDAG, forward_nodes
 from ..ops import EXPERT_MARKERS, RECOMPUTES, UNSHARD, ZERO_MARKERS, is_heavy
 from ..options import Strategy
-from ..sharding.units import unit_of
+from ..sharding.units import find_units, unit_of
 from .shard_experts import in_expert_region
+from .unshard_parameters import parameter_only_chain
 
 _RECOMPUTE = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
 
@@ -138,19 +142,31 @@ def _bytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def _gathered_for_the_step(graph: fx.Graph, forward: set[fx.Node], held: set[str],
-                           strategy: Strategy) -> set[fx.Node]:
-    """The ZeRO markers whose gathered value costs nothing to read in the backward: at ZeRO-1/2
-    every sharded parameter is gathered once per step and its full value kept for the backward
-    (`unshard_parameters`), so a marker the backward reads anyway is one, and so is any other
-    whose value is no larger than the forward values it lets the backward recompute instead of
-    keep (a layer norm's bias against the norm's output): with its gather bucket's other
-    parameters read by the backward it is held anyway, and alone it holds at most what it
-    saves (an embedding table larger than its lookup's output stays out). None at ZeRO-0 (no
-    markers) or ZeRO-3 (reading a gathered value in the backward gathers it again)."""
-    if strategy.zero not in (1, 2):
-        return set()
+def _gathered_anyway(dag: TrainingDAG, forward: set[fx.Node], held: set[str], strategy: Strategy) -> set[fx.Node]:
+    """The ZeRO markers whose gathered value the backward can read without another collective,
+    where it is no larger than the forward values it lets the backward recompute instead of
+    keep (a layer norm's bias against the norm's output):
+      - at ZeRO-1/2 every one: each sharded parameter is gathered once per step and its full
+        value kept for the backward (`unshard_parameters`). One in a gather bucket with a
+        parameter the backward reads is held anyway; alone, it holds at most what it saves;
+      - at ZeRO-3, where the backward gathers what it reads again, those of a unit (a gather
+        group, `Units.group`) whose other parameters the backward reads, through the ops
+        made of them alone (a weight's transpose): its bytes join that unit's gather, at
+        most what they save.
+    So an embedding table larger than its lookup's output is not one: its lookup is kept.
+    None at ZeRO-0, which has no markers (its parameters are `held`)."""
+    graph = dag.joint.graph
     markers = {node for node in graph.nodes if node in forward and node.target is UNSHARD}
+    if strategy.zero == 3 and markers:
+        order = {node: index for index, node in enumerate(graph.nodes)}
+        backward_read = {marker for marker in markers
+                         if any(user not in forward for node in parameter_only_chain(marker, forward, order)
+                                for user in node.users)}
+        units = find_units(dag)
+        gathered_again = {units.group(marker) for marker in backward_read}
+        markers = {marker for marker in markers - backward_read if units.group(marker) in gathered_again}
+    elif strategy.zero not in (1, 2):
+        return set()
     read = _read_by_backward(graph, forward)
     while True:
         free = _free_to_recompute(graph, forward, held, markers)
@@ -189,7 +205,7 @@ def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     forward = forward_nodes(dag)
     recomputable = {n for n in graph.nodes if n in forward and _recomputable(n, strategy, forward)}
     held = {i.name for i in dag.inputs if i.role in HELD_ROLES}
-    recomputable |= _free_to_recompute(graph, forward, held, _gathered_for_the_step(graph, forward, held, strategy))
+    recomputable |= _free_to_recompute(graph, forward, held, _gathered_anyway(dag, forward, held, strategy))
     placeholders = dag.placeholders()
     updated = {placeholders[graph_input.name] for _, graph_input in dag.mutated_inputs()}
     recomputable -= {n for n in recomputable if any(value in updated for value in n.all_input_nodes)}

@@ -75,7 +75,7 @@ def _gather_once_per_step(dag: TrainingDAG, strategy: Strategy, markers: list[fx
         graph.erase_node(marker)
 
 
-def _parameter_only_chain(marker: fx.Node, forward: set[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
+def parameter_only_chain(marker: fx.Node, forward: set[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
     """The marker and the forward ops computed from it alone (views, casts), in graph order
     (`order`: the forward ops' positions). Walks from the marker through users, nearest
     first: each op is reached from an input, so the walk ends with the chain, not with the
@@ -115,7 +115,7 @@ def _gather_per_use(dag: TrainingDAG, strategy: Strategy, markers: list[fx.Node]
     units = find_units(dag)
     for marker in markers:
         unit = {UNIT: units.group(marker)}
-        chain = _parameter_only_chain(marker, forward, order)
+        chain = parameter_only_chain(marker, forward, order)
         backward_uses = [(user, node) for node in chain for user in node.users if user not in forward]
         if backward_uses:
             first_use = min((user for user, _ in backward_uses), key=order.__getitem__)
