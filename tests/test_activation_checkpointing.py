@@ -219,13 +219,14 @@ def test_at_every_zero_level_what_light_ops_make_from_gathered_parameters_is_rec
     a parameter does: at ZeRO-1/2, which gather each parameter once per step and keep it for
     the backward, and at ZeRO-3 within a unit whose parameters the backward gathers again (the
     up projection's weight, which the shift joins). So the backward makes the layer norm's
-    shifted output again from the shift, and the lookup's output from the table, as at ZeRO-0,
-    where both are parameters, and the same bytes cross from the forward to the backward at
-    every level (where the shifted output and what the gathered parameters made crossed
-    before: 11776 bytes at ZeRO-1/2 and 3584 at ZeRO-3, against 3072 without a table). A table larger than what its lookup lets the backward
-    make again (1000 x 16 floats against 8 x 16) is not held for that, nor at ZeRO-3 a table
-    whose gather the backward would make for it alone: there the lookup's output crosses too.
-    Gradients are eager PyTorch's on the global batch."""
+    shifted output again from the shift, and a small table's lookup from the table, as at
+    ZeRO-0, where both are parameters, and the same bytes cross from the forward to the
+    backward at every level (before, the shifted output and what the gathered parameters
+    made crossed: 11776 bytes at ZeRO-1/2 and 3584 at ZeRO-3, against 3072 without a
+    table). A table larger than what its lookup lets the backward make again (1000 x 16
+    floats against 8 x 16) is not held for that, nor at ZeRO-3 a table whose gather the
+    backward would make for it alone: there the lookup's output crosses too. Gradients are
+    eager PyTorch's on the global batch."""
     lookup = 8 * 16 * 4
     for vocab, extra in ((None, {1: 0, 2: 0, 3: 0}), (4, {1: 0, 2: 0, 3: lookup}),
                          (1000, {1: lookup, 2: lookup, 3: lookup})):
