@@ -72,8 +72,8 @@ from piper_fx.sharding.holdings import is_stored  # noqa: E402
 CFG = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64)
 WARMUP = 3
 PEAK_STEPS = 3  # steps whose least peak allocation is a side's
-ADAMW_IMPLEMENTATIONS = ("fused", "foreach", "for-loop")
 _ADAMW_KWARGS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+ADAMW_IMPLEMENTATIONS = tuple(_ADAMW_KWARGS)
 
 
 def adamw(params, implementation: str) -> torch.optim.AdamW:

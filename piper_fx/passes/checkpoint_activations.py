@@ -37,7 +37,7 @@ and keeps nothing more. (AOTAutograd's min-cut partitioner, which Inductor
 uses, keeps such a value where the backward needs it materialized, as the
 input of a weight gradient's matmul.) A sharded parameter's gathered value that
 the backward can read without another collective counts as a parameter does
-(`_gathered_anyway`), so a layer norm's output is recomputed from its bias at
+(`_free_with_gathered`), so a layer norm's output is recomputed from its bias at
 every ZeRO level: at ZeRO-1/2 every parameter is gathered once per step and kept
 for the backward (`unshard_parameters`); at ZeRO-3 the backward gathers each
 unit again, and a parameter of a unit whose other parameters it gathers joins
@@ -142,10 +142,10 @@ def _bytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
-def _gathered_anyway(dag: TrainingDAG, forward: set[fx.Node], held: set[str], strategy: Strategy) -> set[fx.Node]:
-    """The ZeRO markers whose gathered value the backward can read without another collective,
-    where it is no larger than the forward values it lets the backward recompute instead of
-    keep (a layer norm's bias against the norm's output):
+def _free_with_gathered(dag: TrainingDAG, forward: set[fx.Node], held: set[str], strategy: Strategy) -> set[fx.Node]:
+    """`_free_to_recompute`, with the ZeRO markers kept whose gathered value the backward can
+    read without another collective, where it is no larger than the forward values it lets the
+    backward recompute instead of keep (a layer norm's bias against the norm's output):
       - at ZeRO-1/2 every one: each sharded parameter is gathered once per step and its full
         value kept for the backward (`unshard_parameters`). One in a gather bucket with a
         parameter the backward reads is held anyway; alone, it holds at most what it saves;
@@ -153,8 +153,9 @@ def _gathered_anyway(dag: TrainingDAG, forward: set[fx.Node], held: set[str], st
         group, `Units.group`) whose other parameters the backward reads, through the ops
         made of them alone (a weight's transpose): its bytes join that unit's gather, at
         most what they save.
-    So an embedding table larger than its lookup's output is not one: its lookup is kept.
-    None at ZeRO-0, which has no markers (its parameters are `held`)."""
+    So an embedding table larger than its lookup's output is not kept: its lookup is. At
+    ZeRO-0 there are no markers (its parameters are `held`). Each marker dropped for its bytes
+    computes the free values again, without it."""
     graph = dag.joint.graph
     markers = {node for node in graph.nodes if node in forward and node.target is UNSHARD}
     if strategy.zero == 3 and markers:
@@ -166,7 +167,7 @@ def _gathered_anyway(dag: TrainingDAG, forward: set[fx.Node], held: set[str], st
         gathered_again = {units.group(marker) for marker in backward_read}
         markers = {marker for marker in markers - backward_read if units.group(marker) in gathered_again}
     elif strategy.zero not in (1, 2):
-        return set()
+        markers = set()
     read = _read_by_backward(graph, forward)
     while True:
         free = _free_to_recompute(graph, forward, held, markers)
@@ -182,7 +183,7 @@ def _gathered_anyway(dag: TrainingDAG, forward: set[fx.Node], held: set[str], st
             if _bytes(marker) > sum(_bytes(value) for value in reached & read):
                 outweighing.add(marker)
         if not outweighing:
-            return markers
+            return free
         markers -= outweighing
 
 
@@ -205,7 +206,7 @@ def checkpoint_activations(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     forward = forward_nodes(dag)
     recomputable = {n for n in graph.nodes if n in forward and _recomputable(n, strategy, forward)}
     held = {i.name for i in dag.inputs if i.role in HELD_ROLES}
-    recomputable |= _free_to_recompute(graph, forward, held, _gathered_anyway(dag, forward, held, strategy))
+    recomputable |= _free_with_gathered(dag, forward, held, strategy)
     placeholders = dag.placeholders()
     updated = {placeholders[graph_input.name] for _, graph_input in dag.mutated_inputs()}
     recomputable -= {n for n in recomputable if any(value in updated for value in n.all_input_nodes)}
