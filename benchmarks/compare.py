@@ -273,27 +273,27 @@ PIPELINE_SCHEDULES = {  # ours -> (torch.distributed.pipelining class name, stag
 }
 
 
-class _Stage(torch.nn.Module):
-    """Stage `index` of `num_stages`: its equal share of the GPT's blocks, in order; the first
+class Stage(torch.nn.Module):
+    """Stage `index` of `num_stages`: its share of the GPT's blocks, in order; the first
     stage embeds, the last returns logits."""
 
     def __init__(self, model: GPT, index: int, num_stages: int):
         super().__init__()
         self.first, self.last = index == 0, index == num_stages - 1
         self.embed = torch.nn.ModuleList([model.wte, model.wpe]) if self.first else None
-        per_stage = len(model.blocks) // num_stages
-        self.blocks = torch.nn.ModuleList(model.blocks[index * per_stage:(index + 1) * per_stage])
+        n = len(model.blocks)  # as evenly as they split, the later stages taking the remainder
+        self.blocks = torch.nn.ModuleList(model.blocks[index * n // num_stages:(index + 1) * n // num_stages])
         self.head = torch.nn.ModuleList([model.ln_f, model.lm_head]) if self.last else None
 
     def forward(self, x):
         if self.first:
-            x = self.embed[0](x) + self.embed[1](torch.arange(x.shape[1]))
+            x = self.embed[0](x) + self.embed[1](torch.arange(x.shape[1], device=x.device))
         for block in self.blocks:
             x, _ = block(x)  # a dense block's auxiliary loss is None
         return self.head[1](self.head[0](x)) if self.last else x
 
 
-def _cross_entropy(logits, targets):
+def cross_entropy(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
@@ -326,14 +326,14 @@ def pipelining(schedule: str, microbatches: int, compiled: bool, dp: int = 1, re
             mine = [rank + k * pp for k in range(per_rank)]
         stages = []
         for index in mine:
-            module = _Stage(model, index, num_stages)
+            module = Stage(model, index, num_stages)
             if dp > 1:
                 module = _data_parallel_stage(module, dp_mesh, compiled, replicas)
             elif compiled:
                 module = torch.compile(module)
             stages.append(pipelining_api.PipelineStage(module, index, num_stages, torch.device("cpu"), group=group))
         cls = getattr(pipelining_api, class_name)
-        runner = cls(stages if per_rank > 1 else stages[0], n_microbatches=microbatches, loss_fn=_cross_entropy)
+        runner = cls(stages if per_rank > 1 else stages[0], n_microbatches=microbatches, loss_fn=cross_entropy)
         holds_first, holds_last = 0 in mine, num_stages - 1 in mine
         params = [p for stage in stages for p in stage.submod.parameters()]
 
@@ -365,7 +365,7 @@ def pipelining(schedule: str, microbatches: int, compiled: bool, dp: int = 1, re
 STAGE_REPLICAS = {"DDP": 0, "FSDP2 no-reshard": 2, "FSDP2": 3}
 
 
-def _data_parallel_stage(module: _Stage, dp_mesh, compiled: bool, replicas: str) -> torch.nn.Module:
+def _data_parallel_stage(module: Stage, dp_mesh, compiled: bool, replicas: str) -> torch.nn.Module:
     """`module` over its dp group: each block compiled (`compiled`), then replicated by DDP or
     sharded by FSDP2 block by block and as a whole (`replicas`, a key of `STAGE_REPLICAS`)."""
     from torch.distributed.fsdp import fully_shard

@@ -42,6 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -49,6 +50,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import piper_fx  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
+from compare import Stage, cross_entropy  # noqa: E402  (the native pipelines' stage, as compare.py splits it)
 from piper_fx.runtime.memory import peak_allocated_bytes, storage_bytes  # noqa: E402
 from piper_fx.sharding.holdings import is_stored  # noqa: E402
 
@@ -107,28 +109,6 @@ def piper(strategy: str, checkpointing: bool):
 
 # --- PyTorch -----------------------------------------------------------------
 
-class Stage(torch.nn.Module):
-    """Blocks `blocks` of the GPT; the first stage embeds, the last returns logits."""
-
-    def __init__(self, model: GPT, blocks: range, first: bool, last: bool):
-        super().__init__()
-        self.first, self.last = first, last
-        self.embed = torch.nn.ModuleList([model.wte, model.wpe]) if first else None
-        self.blocks = torch.nn.ModuleList(model.blocks[i] for i in blocks)
-        self.head = torch.nn.ModuleList([model.ln_f, model.lm_head]) if last else None
-
-    def forward(self, x):
-        if self.first:
-            x = self.embed[0](x) + self.embed[1](torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks:
-            x, _ = block(x)
-        return self.head[1](self.head[0](x)) if self.last else x
-
-
-def _cross_entropy(logits, targets):
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 def native(strategy: str, checkpointing: bool):
     def make(model: GPT):
         from torch.distributed.device_mesh import init_device_mesh
@@ -165,8 +145,7 @@ def _native_pipeline(model: GPT, sharded: bool):
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp = mesh.get_local_rank("pp")
-    half = len(model.blocks) // 2
-    module = Stage(model, range(half) if pp == 0 else range(half, len(model.blocks)), pp == 0, pp == 1)
+    module = Stage(model, pp, 2)
     params = list(module.parameters())
     if sharded:
         for block in module.blocks:
@@ -176,7 +155,7 @@ def _native_pipeline(model: GPT, sharded: bool):
     else:
         module = DistributedDataParallel(module, process_group=mesh.get_group("dp"))
     stage = PipelineStage(module, pp, 2, torch.device("cpu"), group=mesh.get_group("pp"))
-    schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=_cross_entropy)
+    schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=cross_entropy)
 
     def step(x, y):
         losses = []
