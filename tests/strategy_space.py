@@ -49,6 +49,8 @@ class Case:
     # The window set on a part of the model alone (its middle child with parameters: the GPT's blocks),
     # whose gradients it holds while the others are reduced at every call (`piper_fx.no_sync`).
     window_part: bool = False
+    # The model copied (`copy.deepcopy`, as an EMA copy is made) after every backward, holding its gradients.
+    deep_copy: bool = False
 
     @property
     def world(self) -> int:
@@ -86,7 +88,8 @@ class Case:
                 f"bucket={self.bucket_mb} overlap={self.overlap} prefetch={self.prefetch} {self.codegen} "
                 f"ac={self.checkpointing} {self.optimizer}{' on-meta' if self.on_meta else ''}"
                 f"{' resized' if self.resized else ''}{' frozen' if self.frozen else ''}"
-                f"{' unsynced' if self.unsynced else ''}{' (part)' if self.window_part else ''}")
+                f"{' unsynced' if self.unsynced else ''}{' (part)' if self.window_part else ''}"
+                f"{' copied' if self.deep_copy else ''}")
 
 
 def expected_errors(case: Case) -> set[str]:
@@ -144,7 +147,7 @@ def cases(draw) -> Case:
                 checkpointing=draw(st.sampled_from(("none", "full", "selective"))), on_meta=draw(st.booleans()),
                 resized=draw(st.booleans()), frozen=draw(st.booleans()),
                 unsynced=(unsynced := optimizer == "sgd" and draw(st.booleans())),
-                window_part=unsynced and draw(st.booleans()))
+                window_part=unsynced and draw(st.booleans()), deep_copy=draw(st.booleans()))
 
 
 def train_case(rank: int, world: int, case: Case) -> dict:
@@ -168,11 +171,13 @@ def train_case(rank: int, world: int, case: Case) -> dict:
         result = train_and_compare(rank, world, case.options(), case.optimizer, steps=3, per_rank_batch=rows,
                                    per_rank_batches=resized, on_meta=case.on_meta, frozen=case.frozen,
                                    unsynced_steps=(0,) if case.unsynced else (), window_part=case.window_part,
+                                   deep_copy=case.deep_copy,
                                    **model)
     except PiperConfigError as e:
         return {"config_error": (e.key, str(e))}
     return {"loss_error": max(result["loss_errors"]), "param_error": max(result["param_errors"].values()),
-            "worst_param": max(result["param_errors"], key=result["param_errors"].get)}
+            "worst_param": max(result["param_errors"], key=result["param_errors"].get),
+            "copy_mismatches": result["copy_mismatches"]}
 
 
 def check_outcomes(case: Case, outcomes: list[dict], rtol: float = 1e-5) -> None:
@@ -186,6 +191,7 @@ def check_outcomes(case: Case, outcomes: list[dict], rtol: float = 1e-5) -> None
         if not violated:
             assert "config_error" not in result, (case.label(), rank, result)
             assert result["loss_error"] < rtol and result["param_error"] < rtol, (case.label(), rank, result)
+            assert not result["copy_mismatches"], (case.label(), rank, "deep copy differs", result)
         else:
             assert "config_error" in result, (case.label(), rank, f"expected a PiperConfigError on {violated}", result)
             assert result["config_error"][0] in violated, (case.label(), rank, violated, result["config_error"])

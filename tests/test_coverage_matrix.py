@@ -3,7 +3,8 @@ pipeline, and every schedule once with Inductor, each against single-process tra
 
 The table below is the matrix (the README lists it). All rows use pp = 2; the model
 is the MLP whose first layer's output crosses every stage boundary, or the example
-GPT with tied embeddings (shared by the first and the last stage).
+GPT with tied embeddings (shared by the first and the last stage). Every row also copies
+the model (`copy.deepcopy`) after each backward, holding its gradients.
 """
 import pytest
 
@@ -39,7 +40,7 @@ PP = 2
 def _case(model: str, schedule: str, dp: int, zero: int, codegen: str) -> Case:
     microbatches = 2 * PP if schedule.startswith("dualpipe") else PP
     return Case(model=model, pp=PP, dp=dp, zero=zero, schedule=schedule, microbatches=microbatches,
-                codegen=codegen, optimizer="adamw_eps")
+                codegen=codegen, optimizer="adamw_eps", deep_copy=True)
 
 
 @pytest.mark.parametrize("model, schedule, dp, zero, codegen", MATRIX,

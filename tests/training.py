@@ -95,7 +95,8 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
                       capacity_factor: float | None = None, model_kwargs: dict | None = None,
                       keywords: bool = False, on_meta: bool = False,
                       per_rank_batches: list[int | list[int]] | None = None, frozen: bool = False,
-                      unsynced_steps: tuple[int, ...] = (), window_part: bool = False) -> dict:
+                      unsynced_steps: tuple[int, ...] = (), window_part: bool = False,
+                      deep_copy: bool = False) -> dict:
     """Train with piper_fx on this rank's shard and, alongside, one model on the global batch.
 
     With `same_init=False` each rank initializes its own model from its own seed;
@@ -111,7 +112,10 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     The steps in `unsynced_steps` accumulate gradients into the next: piper_fx's call runs in
     `piper_fx.no_sync`, and neither side steps its optimizer after it; with `window_part`, the
     window holds a part of the model alone (its middle child with parameters), whose other
-    parameters are reduced at every call.
+    parameters are reduced at every call. With `deep_copy`, the model is copied
+    (`copy.deepcopy`, as an EMA copy is made) after every step's backward, while its parameters
+    hold the step's gradients: `copy_mismatches` names the parameters whose copy differs
+    (`_copy_mismatches`).
     """
     from models import MODELS, batch
 
@@ -130,10 +134,10 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     else:
         model = model_fn()
     if frozen:
-        for copy in (model, reference):
-            names = [name for name, _ in copy.named_parameters()]
+        for side in (model, reference):
+            names = [name for name, _ in side.named_parameters()]
             for name in {names[0], names[len(names) // 2]}:
-                copy.get_parameter(name).requires_grad_(False)
+                side.get_parameter(name).requires_grad_(False)
     mark_regions(model, pipeline=pp_regions, experts=bool(experts), expert_regions=ep_regions)
     if call_prepare:
         piper_fx.prepare(model, options)
@@ -150,7 +154,7 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     parts = [child for child in model.children() if any(True for _ in child.parameters())]
     windowed = parts[len(parts) // 2] if window_part else step
 
-    loss_errors = []
+    loss_errors, copy_mismatches = [], set()
     for i in range(len(per_rank_batches) if per_rank_batches else steps):
         mesh = options.get("mesh", {})
         dp = mesh.get("dp", world // mesh.get("pp", 1))
@@ -164,6 +168,8 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
             named = dict(zip(inspect.signature(model.forward).parameters, (lx, ly)))
             loss = step(**named) if keywords else step(lx, ly)
             loss.backward()
+        if deep_copy:
+            copy_mismatches |= _copy_mismatches(model, copy.deepcopy(model))
         ref_loss = reference(x, y) if len(set(replica_rows)) == 1 else sum(reference(*part) for part in parts) / dp
         ref_loss.backward()
         if not unsynced:
@@ -183,6 +189,7 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
     param_errors = {name: relative_error(full[name], expected[name]) for name in expected}
     return {
         "loss_errors": loss_errors,
+        "copy_mismatches": sorted(copy_mismatches),
         "expert_loads": expert_loads,
         "param_errors": param_errors,
         "optimizer_state_bytes": optimizer_state_bytes(opt),
@@ -209,6 +216,25 @@ def train_and_compare(rank: int, world: int, options: dict, optimizer: str, step
                                      if is_stored(p) and p.dim() > 1),
         "full_param_bytes": sum(p.numel() * p.element_size() for p in reference.parameters()),
     }
+
+
+def _copy_mismatches(model: torch.nn.Module, copied: torch.nn.Module) -> set[str]:
+    """The parameters of `model` whose counterpart in its deep copy `copied` is not a copy: of
+    another type or placement, other values, sharing memory with the original's, or a gradient
+    other than PyTorch's deep copy gives: a copy of a DTensor parameter's (`Tensor.__deepcopy__`
+    copies it), none for a plain `nn.Parameter` (`Parameter.__deepcopy__` copies its data alone)."""
+    def differ(original, other) -> bool:
+        if original is None or other is None:
+            return original is not other
+        return (type(original) is not type(other) or placement(original) != placement(other)
+                or not torch.equal(local(original.detach()), local(other.detach()))
+                or (local(original).numel() > 0
+                    and local(original).untyped_storage().data_ptr() == local(other).untyped_storage().data_ptr()))
+
+    copies = dict(copied.named_parameters())
+    return {name for name, parameter in model.named_parameters()
+            if name not in copies or differ(parameter, copies[name])
+            or differ(parameter.grad if isinstance(parameter, DTensor) else None, copies[name].grad)}
 
 
 def parity_worker(rank: int, world: int, options: dict, tied: bool) -> dict:
@@ -1557,10 +1583,10 @@ def program_placeholders_worker(rank: int, world: int) -> dict:
     parameters' program placeholders, and what becomes of them. Per ZeRO level: a parameter
     frozen after the first step (the next call rejects it, the one after compiles anew and
     trains the others alone), the model moved where it is (a no-op) and converted to another
-    dtype (a `PiperError`: convert before `prepare`), a deep copy of the model (its
-    placeholders stand for its own parameters), a parameter registered anew (its placeholder
-    dropped), and the model compiled by another backend (its backward refuses to train the
-    placeholders)."""
+    dtype (a `PiperError`: convert before `prepare`), a deep copy of the model, holding a
+    step's gradients and not (its placeholders stand for its own parameters), a parameter
+    registered anew (its placeholder dropped), and the model compiled by another backend (its
+    backward refuses to train the placeholders)."""
     from torch.distributed.tensor import DTensor
 
     from piper_fx.sharding.read_through import _PLACEHOLDERS
@@ -1578,6 +1604,10 @@ def program_placeholders_worker(rank: int, world: int) -> dict:
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         step(x, y).backward()
         result = {}
+        # A deep copy (an EMA copy) while the parameters hold the step's gradients, views into
+        # their reduction's flat bucket: torch's `Tensor.__deepcopy__` failed on such DTensors.
+        result["gradients_at_offsets"] = any(local(p.grad).storage_offset() for p in model.parameters())
+        result["copy_with_gradients_differs"] = sorted(_copy_mismatches(model, copy.deepcopy(model)))
         placeholders = getattr(model.wte, _PLACEHOLDERS)
         weight = model.wte._parameters["weight"]
         result["stands_for_its_parameter"] = stood_for(placeholders["weight"]) is weight

@@ -13,6 +13,7 @@ and `trace_in_dtype` lay out what they lay out through it.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import threading
 import types
@@ -103,7 +104,8 @@ def _own_class(module: nn.Module) -> type:
     if not getattr(cls, _OWN_CLASS, False):
         cls = type(cls.__name__, (cls,), {_OWN_CLASS: True, "__module__": cls.__module__,
                                           "register_parameter": _register_parameter, "_apply": _apply,
-                                          "__getstate__": _getstate, "__setstate__": _setstate})
+                                          "__getstate__": _getstate, "__setstate__": _setstate,
+                                          "__deepcopy__": _deepcopy})
         module.__class__ = cls
         module.__dict__[_PLACEHOLDERS] = {}
     return cls
@@ -287,6 +289,26 @@ def _getstate(self: nn.Module) -> dict:
     # make those of the parameters the state's new module holds.
     state[_PLACEHOLDERS] = {name: (placeholder_name(p), p.dtype) for name, p in state[_PLACEHOLDERS].items()}
     return state
+
+
+def _deepcopy(self: nn.Module, memo: dict) -> nn.Module:
+    """`copy.deepcopy(self)`, as Python copies a module (a new object of its class given a deep
+    copy of its `__getstate__`), with each of its parameters' gradients that is a DTensor over
+    a view at an offset into a larger tensor copied first, into `memo`. The step hands
+    gradients over as views into their reduction's flat bucket (as FSDP2's sharded gradients
+    are views into its reduce-scatter's output), and torch's `Tensor.__deepcopy__` takes such
+    a DTensor for one with a storage of its own and fails ("Attempted to call copy_() on an
+    invalid python storage", torch 2.13), so a model holding a step's gradients could not be
+    copied (an EMA copy, say)."""
+    for parameter in self._parameters.values():
+        grad = None if parameter is None else parameter.grad
+        if isinstance(grad, DTensor) and grad.storage_offset() != 0 and id(grad) not in memo:
+            memo[id(grad)] = DTensor.from_local(grad.to_local().clone(), grad.device_mesh, grad.placements,
+                                                shape=grad.shape, stride=grad.stride(), run_check=False)
+    copied = type(self).__new__(type(self))
+    memo[id(self)] = copied
+    copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+    return copied
 
 
 def _setstate(self: nn.Module, state: dict) -> None:
