@@ -6,7 +6,7 @@ import torch
 
 import piper_fx
 from ranks import run_ranks
-from training import (attribute_reads_worker, meta_init_worker, program_placeholders_worker,
+from training import (attribute_reads_worker, ema_worker, meta_init_worker, program_placeholders_worker,
                       replaced_memory_worker)
 
 
@@ -34,6 +34,17 @@ def test_placeholders_stand_for_the_parameters_and_follow_what_becomes_of_them()
             assert other["type"] is not None, (where, other)
             assert re.search(r"piper_fx: parameter \S+ got its gradient through the plain placeholder",
                              other["message"]), (where, other)
+
+
+def test_pytorchs_ema_of_a_prepared_model_averages_as_one_process_does():
+    """`AveragedModel` deep-copies the model (here while it holds a step's gradients, which
+    failed in torch's `Tensor.__deepcopy__`) and averages its parameters, DTensors, in place;
+    the average and its eager forward are one process's."""
+    for rank, by_zero in enumerate(run_ranks(ema_worker, 2, deadline_s=300)):
+        for zero, result in by_zero.items():
+            assert result["keys"] and result["difference"] < 1e-6, (rank, zero, result)
+            ours, expected = result["losses"]
+            assert abs(ours - expected) <= 1e-6 * abs(expected), (rank, zero, result)
 
 
 def test_a_step_reads_a_parameters_memory_as_it_is_now():

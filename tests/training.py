@@ -1578,6 +1578,47 @@ def failing_compile_worker(rank: int, world: int, fail_rank: int) -> str:
     return "nothing raised"
 
 
+def ema_worker(rank: int, world: int) -> dict:
+    """PyTorch's EMA (`torch.optim.swa_utils.AveragedModel` with `get_ema_multi_avg_fn`) of a
+    prepared model, per ZeRO level (0 and 3), beside the EMA of one process training on the
+    global batch: made after the first step's backward (its deep copy holds the step's
+    gradients), updated after each of 3 SGD steps, the averages' largest difference (full
+    tensors) and both averaged models' losses on another batch, run eagerly."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    results = {}
+    for zero in (0, 3):
+        torch._dynamo.reset()
+        cfg = GPTConfig(**SMALL, tied_embeddings=True)
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            models.append(GPT(cfg))
+        model, reference = models
+        options = {"codegen": "eager", "zero": zero}
+        piper_fx.prepare(model, options)
+        step = torch.compile(model, backend="piper", options=options)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        averages = []
+        for i in range(3):
+            x, y = global_batch(i, 2 * world, cfg)
+            step(x.chunk(world)[rank], y.chunk(world)[rank]).backward()
+            reference(x, y).backward()
+            if not averages:
+                averages = [AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9)) for m in models]
+            for opt, m, average in zip(opts, models, averages):
+                opt.step()
+                opt.zero_grad()
+                average.update_parameters(m)
+        full, expected = piper_fx.full_state_dict(averages[0].module), averages[1].module.state_dict()
+        x, y = global_batch(9, 2 * world, cfg)
+        with torch.no_grad():
+            losses = [average.module(x, y).item() for average in averages]
+        results[zero] = {"difference": max(relative_error(full[k], expected[k]) for k in expected),
+                         "keys": sorted(full) == sorted(expected), "losses": losses}
+    return results
+
+
 def program_placeholders_worker(rank: int, world: int) -> dict:
     """What Dynamo traces of a prepared model (dp over every rank, ZeRO-0 and ZeRO-3): the
     parameters' program placeholders, and what becomes of them. Per ZeRO level: a parameter
