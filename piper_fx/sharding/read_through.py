@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from ..compat import dtensor_like, local_tensor
 from ..errors import PiperError
 from .dtensor_params import (mark_replicated, materialize, parameter_owners, placeholder_name, program_placeholder,
                              program_tensor)
@@ -303,8 +304,7 @@ def _deepcopy(self: nn.Module, memo: dict) -> nn.Module:
     for parameter in self._parameters.values():
         grad = None if parameter is None else parameter.grad
         if isinstance(grad, DTensor) and grad.storage_offset() != 0 and id(grad) not in memo:
-            memo[id(grad)] = DTensor.from_local(grad.to_local().clone(), grad.device_mesh, grad.placements,
-                                                shape=grad.shape, stride=grad.stride(), run_check=False)
+            memo[id(grad)] = dtensor_like(local_tensor(grad).clone(), grad)
     copied = type(self).__new__(type(self))
     memo[id(self)] = copied
     copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
