@@ -29,12 +29,13 @@ from .codegen import compile_program, fewest_regions, prepare, warm_up
 from .compat import compile_fx, dynamo_trace_seconds, maybe_mark_dynamic
 from .compile_stats import CompileStats, record
 from .debug import DebugDump
-from .gradient_sync import any_unsynced, unsynced
+from .gradient_sync import after_window, unsynced, window_state
 from .ir import HELD_ROLES, InputRole, TrainingDAG
 from .options import Strategy, parse_options_on_all_ranks
 from .outputs import return_arguments_themselves, returned_numbers, returned_values
 from .passes import dump_path, run_passes
 from .passes.functionalize_random import step_randomness
+from .passes.reduce_gradients import reduces_held_gradients
 from .philox import attach_stream, stream_of
 from .plan_cache import Plan, plan_of
 from .prepare import check_prepared
@@ -230,7 +231,8 @@ def piper_backend(gm: fx.GraphModule, example_inputs: list, options: Mapping[str
     sized = symbolic_inputs(gm, example_inputs)
     parameters = tuple(i for i, t in enumerate(example_inputs) if isinstance(t, nn.Parameter))
     return DeferredStep(_StepBuilder(gm, example_inputs, strategy, device, dump, warming, stats, sized, themselves),
-                        sized, parameters, reduces=bool(parameters) and strategy.dp > 1)
+                        sized, parameters, reduces=bool(parameters) and strategy.dp > 1,
+                        adds_held=reduces_held_gradients(strategy))
 
 
 # How many batch shapes a frame compiles steps for before each new one warns (Dynamo's default
@@ -266,25 +268,28 @@ class DeferredStep:
     steps of the model called last too: `_forget` lets go of them when it dies).
 
     A training call reading a parameter whose gradient synchronization is off
-    (`piper_fx.no_sync`), or which holds gradients (the first call after), runs a step planned
-    without gradient reductions instead, compiled at the first such call of its batch shape and
-    kept beside the others (`_unsynced`); with one replica (dp = 1) there is nothing to hold
-    back, and the parameters' synchronization is not looked up.
+    (`piper_fx.no_sync`) runs a step planned without gradient reductions instead; the first call
+    after a window, which reduces what the window held, a step planned to add those to its own
+    gradients before reducing them (where the strategy allows it, `adds_held`; else the one
+    without reductions). Each is compiled at the first such call of its batch shape and kept
+    beside the others (`_variant`); with one replica (dp = 1) there is nothing to hold back,
+    and the parameters' synchronization is not looked up.
 
     Slotted: Dynamo wraps the step in a function that copies the step's `__dict__` into its
     own (`functools.wraps`), which would keep the build for the life of the compiled frame
     by another reference. The builder keeps Dynamo's graph for the shapes and models to come."""
 
-    __slots__ = ("_build", "_sized", "_parameters", "_anchor", "_reduces", "_models", "_model", "_steps", "step",
-                 "__weakref__")
+    __slots__ = ("_build", "_sized", "_parameters", "_anchor", "_reduces", "_adds_held", "_models", "_model",
+                 "_steps", "step", "__weakref__")
 
     def __init__(self, build: Callable[..., CompiledStep], sized: tuple[int, ...],
-                 parameters: tuple[int, ...] = (), reduces: bool = False):
+                 parameters: tuple[int, ...] = (), reduces: bool = False, adds_held: bool = False):
         self._build = build
         self._sized = sized
         self._parameters = parameters  # the arguments that are the model's parameters (their placeholders)
         self._anchor = parameters[0] if parameters else None
         self._reduces = reduces  # whether the step reduces gradients (dp > 1), which `no_sync` holds back
+        self._adds_held = adds_held  # whether a step can add a window's held gradients before reducing
         self._models = WeakIdKeyDictionary()  # each model's anchor argument -> its steps
         self._model: Callable[[], Any] | None = None  # the anchor argument of the model of `_steps`, weakly
         self._steps: dict[tuple, CompiledStep] = {}  # by the sizes of the call they were compiled for (() without)
@@ -304,8 +309,9 @@ class DeferredStep:
             self._model = weakref.ref(args[self._anchor], functools.partial(DeferredStep._forget, weakref.ref(self)))
             self.step = self._steps.get(()) if not self._sized else None
         if self._reduces and torch.is_grad_enabled():
-            if any_unsynced(args[i] for i in self._parameters):
-                return self._unsynced(args)
+            window = window_state(args[i] for i in self._parameters)
+            if window is not None:
+                return self._variant(args, "after_no_sync" if window == "held" and self._adds_held else "no_sync")
         if not self._sized:
             if self.step is None:
                 self.step = self._steps[()] = self._build(args, ())
@@ -321,13 +327,13 @@ class DeferredStep:
         self.step = step
         return step(*args)
 
-    def _unsynced(self, args: tuple):
-        """Run the step without gradient reductions (`gradient_sync`), compiled at the
-        model's first call while its synchronization is off, per batch shape."""
-        key = ("no_sync", tuple(args[i] if isinstance(args[i], int) else tuple(args[i].shape) for i in self._sized))
+    def _variant(self, args: tuple, variant: str):
+        """Run the step of a window's calls, `variant` (`_StepBuilder.VARIANTS`), compiled at
+        the model's first call of that variant, per batch shape."""
+        key = (variant, tuple(args[i] if isinstance(args[i], int) else tuple(args[i].shape) for i in self._sized))
         step = self._steps.get(key)
         if step is None:
-            step = self._steps[key] = self._build(args, key[1], gradient_sync=False)
+            step = self._steps[key] = self._build(args, key[1], variant)
         return step(*args)
 
 
@@ -348,18 +354,21 @@ class _StepBuilder:
         self.first: tuple | None = (example_inputs, warming, stats)
         self.later = 0  # steps compiled since the first
 
-    def __call__(self, args: tuple, sizes: tuple, gradient_sync: bool = True) -> CompiledStep:
+    # A window's steps: its calls' (`piper_fx.no_sync`), without gradient reductions, and its first
+    # call's after it, which adds what the window held to its gradients before reducing them.
+    VARIANTS = {"no_sync": unsynced, "after_no_sync": after_window}
+
+    def __call__(self, args: tuple, sizes: tuple, variant: str | None = None) -> CompiledStep:
         """The step for the call of `args`, whose `sizes` (those of its `sized` arguments) name a
-        later step's dump, numbered; without gradient reductions where `gradient_sync` is
-        False (`piper_fx.no_sync`)."""
-        strategy = self.strategy if gradient_sync else unsynced(self.strategy)
+        later step's dump, numbered; the window's `variant` of it, if named (`VARIANTS`)."""
+        strategy = self.strategy if variant is None else self.VARIANTS[variant](self.strategy)
         if self.first is not None:
             (example_inputs, warming, stats), self.first = self.first, None
             return _compile(self.gm, _at_call_sizes(example_inputs, args, self.sized), strategy, self.device,
                             self.dump, warming, stats, self.themselves)
         self.later += 1
         name = "_".join(str(size) if isinstance(size, int) else "x".join(map(str, size)) for size in sizes)
-        name = f"step_{self.later}" + (f"_sizes_{name}" if name else "") + ("" if gradient_sync else "_no_sync")
+        name = f"step_{self.later}" + (f"_sizes_{name}" if name else "") + (f"_{variant}" if variant else "")
         return _compile(self.gm, list(args), strategy, self.device, self.dump.beside(name),
                         warm_up(self.strategy.codegen, self.device), CompileStats(), self.themselves)
 
@@ -437,6 +446,11 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
     # Dynamo traced and guards their placeholders, plain tensors.
     specs = {i.arg_index: arguments[i.arg_index]._spec for i in planned.inputs
              if i.role in HELD_ROLES and isinstance(arguments[i.arg_index], DTensor)}
+    # How the window's steps reduce what it held: after the program, or in it (`takes_held`) and
+    # only then for a gradient the program's cannot stand for (`held_gradients.given_back`).
+    reduction = GradientReduction(strategy.zero, planned.dp_group, strategy.mixed_precision.reduction_dtype,
+                                  int(strategy.bucket_mb * 2**20), strategy.ep > 1,
+                                  expert_replica_group_name(strategy))
     return CompiledStep(
         executor, planned.inputs, planned.outputs,
         seed_shape, seed_dtype, seed_device,
@@ -449,9 +463,8 @@ def _compile_step(gm: fx.GraphModule, example_inputs: list, strategy: Strategy, 
         placeholders=placeholders,
         themselves=themselves,
         numbers=returned_numbers(gm, call_sizes(gm, example_inputs)),
-        holds=None if strategy.gradient_sync or strategy.dp == 1 else GradientReduction(
-            strategy.zero, planned.dp_group, strategy.mixed_precision.reduction_dtype,
-            int(strategy.bucket_mb * 2**20), strategy.ep > 1, expert_replica_group_name(strategy)),
+        holds=None if strategy.gradient_sync or strategy.dp == 1 else reduction,
+        takes_held=reduction if strategy.adds_held_gradients else None,
         broadcasts=planned.dp_group if strategy.broadcast_buffers and strategy.dp > 1 and any(
             i.role is InputRole.BUFFER for i in planned.inputs) and any(
             i.role in (InputRole.PARAM, InputRole.PARAM_SHARD) for i in planned.inputs) else None,

@@ -39,6 +39,7 @@ class InputRole(enum.Enum):
     INPUT = "input"              # user argument: this replica's batch
     TANGENT = "tangent"          # seed gradient of the loss
     RNG = "rng"                  # per-microbatch key and counter of the random ops (passes.functionalize_random)
+    HELD_GRAD = "held_grad"      # a no_sync window's held gradient of a parameter (passes.reduce_gradients)
 
 
 # The inputs a step holds throughout, not per microbatch: parameters (whole or a shard) and buffers.
@@ -59,6 +60,7 @@ class GraphInput:
     arg_index: int | None        # position among the compiled call's arguments
     fqn: str | None = None       # parameter / buffer name in the model
     sharded: ShardedParameter | None = None
+    held_for: int | None = None  # HELD_GRAD: the argument index of the parameter it was held for
 
 
 @dataclass

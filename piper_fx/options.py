@@ -106,6 +106,9 @@ class Strategy:
     # Not an option: False plans the program a step runs while the model's gradient
     # synchronization is off (`piper_fx.no_sync`), whose gradients leave unreduced.
     gradient_sync: bool = True
+    # Not an option: True plans the program of a window's first call after it, which adds
+    # what the window held to each gradient before reducing it (`passes.reduce_gradients`).
+    adds_held_gradients: bool = False
 
     @property
     def num_stages(self) -> int:

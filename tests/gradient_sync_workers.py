@@ -19,7 +19,7 @@ def accumulate_and_train(rank: int, world: int, options: dict, calls: int = 3, s
     False; every call synchronizing where `window` is False), against one model accumulating the
     same global batches; with `experts`, the GPT's mixture of experts shared out over `mesh.ep`;
     with `part`, the window set on that submodule alone. Per call: the bytes this rank sent by
-    each collective kind, and whether any gradient of the window's parameters changed (it must
+    each collective kind, in its program alone (before its backward) and in all, and whether any gradient of the window's parameters changed (it must
     not inside the window), and any other's; at the end each parameter's relative error."""
     mesh = options.get("mesh", {})
     pp = mesh.get("pp", 1)
@@ -38,22 +38,31 @@ def accumulate_and_train(rank: int, world: int, options: dict, calls: int = 3, s
     out: dict = {"comm_bytes": [], "grads_changed_in_window": [], "others_changed_in_window": [], "loss_errors": [],
                  "window_bytes": sum(p.numel() * p.element_size() for p in windowed.parameters())}
     per_rank = 2 * max(pp, 1)
+    out["comm_in_call"] = []
+
+    def run_call(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = compiled(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
+        # What the call's program sent before its backward: the first call after a window reduces what
+        # the window held there, overlapped with its backward, where the strategy allows it.
+        out["comm_in_call"].append({k: v for k, v in piper_fx.last_step_stats()["comm_bytes"].items() if v})
+        return loss
+
     for step in range(steps):
         for call in range(calls):
             x, y = global_batch(step * calls + call, per_rank * dp, cfg)
             last = call == calls - 1
             before = [None if p.grad is None else p.grad.full_tensor().clone() for p in model.parameters()]
             if not window:
-                loss = compiled(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
+                loss = run_call(x, y)
                 (loss / calls).backward()
             elif not last and context:
                 with piper_fx.no_sync(windowed):
-                    loss = compiled(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
+                    loss = run_call(x, y)
                     (loss / calls).backward()
             else:
                 if not context:
                     piper_fx.set_requires_gradient_sync(windowed, last)
-                loss = compiled(x.chunk(dp)[rank % dp], y.chunk(dp)[rank % dp])
+                loss = run_call(x, y)
                 (loss / calls).backward()
             stats = piper_fx.last_step_stats()
             out["comm_bytes"].append({k: v for k, v in stats["comm_bytes"].items() if v})
@@ -95,8 +104,12 @@ def backward_forms_worker(rank: int, world: int, zero: int) -> dict:
     parameters it names alone; (b) `torch.autograd.grad` inside it is a `PiperError` (the window
     hands no gradient back before its end); (c) `torch.autograd.grad` of a call with
     synchronization on gets that call's reduced gradients and leaves what is held; (d) the next
-    `backward()` reduces what (a) held with its own. The relative error of each parameter's
-    gradient after (c) and (d), and (b)'s message."""
+    `backward()` reduces what (a) held with its own; then a window of a call whose loss is scaled
+    by 1/4 (e) and a call without backward, which changes nothing, the next call's scaled by 1/2
+    and backward of some parameters (f), which reduces what was held of those with its own (the
+    seeds differ) and leaves the others' held, and a `backward()` (g) that reduces those with its
+    own, scaled by 1. The relative error of each
+    parameter's gradient after (c), (d) and (g), of those (f) names after it, and (b)'s message."""
     cfg = GPTConfig(**SMALL)
     torch.manual_seed(0)
     reference = GPT(cfg)
@@ -133,4 +146,17 @@ def backward_forms_worker(rank: int, world: int, zero: int) -> dict:
     compiled(*mine).backward()
     reference(*batch).backward()
     out["grad_errors"] = [relative_error(full(p.grad), q.grad) for p, q in zip(params, ref_params, strict=True)]
+    with piper_fx.no_sync(compiled):  # (e)
+        batch, mine = replica(4)
+        (compiled(*mine) / 4).backward()
+        (reference(*batch) / 4).backward()
+    compiled(*replica(7)[1])  # a call whose backward never runs (an evaluation with grad enabled, say)
+    batch, mine = replica(5)  # (f)
+    (compiled(*mine) * 0.5).backward(inputs=[params[i] for i in named])
+    (reference(*batch) * 0.5).backward(inputs=[ref_params[i] for i in named])
+    out["named_errors"] = [relative_error(full(params[i].grad), ref_params[i].grad) for i in named]
+    batch, mine = replica(6)  # (g)
+    compiled(*mine).backward()
+    reference(*batch).backward()
+    out["seeds_errors"] = [relative_error(full(p.grad), q.grad) for p, q in zip(params, ref_params, strict=True)]
     return out

@@ -69,6 +69,18 @@ def _check_window(config: dict, rank: int, run: dict, calls: int = 3) -> None:
         for call, comm in enumerate([] if "part" in config else run["comm_bytes"]):
             reduced = _reductions(comm)
             assert bool(reduced) == (call % calls == calls - 1), (config, rank, call, run["comm_bytes"])
+        # The window's first call after it reduces what the window held in its program, overlapped with
+        # its backward (without a pipeline or experts), else after its program, in its backward.
+        for call, comm in enumerate(run["comm_in_call"]):
+            if call % calls == calls - 1:
+                after = _reductions(comm) == _reductions(run["comm_bytes"][call])
+                assert after == _overlapped(config), (config, rank, call, comm, run["comm_bytes"][call])
+
+
+def _overlapped(config: dict) -> bool:
+    """Whether a window's reduction overlaps the backward of its first call after it."""
+    options = config["options"]
+    return "pp" not in options.get("mesh", {}) and not config.get("experts")
 
 
 def test_a_window_holds_its_gradients_and_trains_as_one_process(two_ranks):
@@ -118,12 +130,17 @@ def test_backward_of_some_parameters_and_autograd_grad_through_a_window(zero):
     """`backward(inputs=...)` in a window holds what it names alone (it held every parameter's
     gradient, adding to the others' at the window's end: relative error 2.0); `torch.autograd.grad`
     in a window is refused (it said no parameter was used in the graph), and outside one gets its
-    call's reduced gradients, leaving what the window holds for the next `backward()`."""
+    call's reduced gradients, leaving what the window holds for the next `backward()`. The first
+    call after a window reduces what it held in its program, overlapped with its backward: its loss
+    scaled otherwise than the window's calls, or its backward of some parameters alone, it hands over
+    what single-process training does."""
     for rank, run in enumerate(run_ranks(backward_forms_worker, 2, zero)):
         assert "torch.autograd.grad of a step called while" in run["autograd_in_window"], (zero, rank, run)
         assert max(run["autograd_errors"]) < RTOL, (zero, rank, run["autograd_errors"])
         assert not any(run["grads_after_autograd"]), (zero, rank)
         assert max(run["grad_errors"]) < RTOL, (zero, rank, run["grad_errors"])
+        assert max(run["named_errors"]) < RTOL, (zero, rank, run["named_errors"])
+        assert max(run["seeds_errors"]) < RTOL, (zero, rank, run["seeds_errors"])
 
 
 def test_no_sync_takes_a_model():

@@ -5,7 +5,7 @@ their nodes get specs too).
 Guarantees: a decided placement, `node.meta["piper_spec"]`, on every
 placeholder, constant and call (`sharding.specs`): the replica's batch
 `Shard(0)`, replicated parameters `Replicate()`, row-sharded ones `Shard(0)`,
-gradients `Partial` until a collective reduces them, every other value as
+gradients (and a window's held ones) `Partial` until a collective reduces them, every other value as
 piper_fx's own rules or DTensor's sharding propagator place it (with
 `meta["piper_spec_reads"]` where DTensor's rule read an input otherwise placed
 than it is). A node that none of them places is a `PiperError` naming the
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from ..collectives.redistribute import AVG
 from ..ir import InputRole, TrainingDAG
 from ..options import Strategy
 from ..sharding.specs import planning_mesh, propagate, random_values_rule
@@ -28,6 +29,8 @@ from .functionalize_random import samples_per_microbatch
 def _seed(role: InputRole, ndim: int):
     if role is InputRole.PARAM_SHARD or (role is InputRole.INPUT and ndim >= 1):
         return Shard(0)
+    if role is InputRole.HELD_GRAD:  # a replica's own gradient, unreduced
+        return AVG
     return Replicate()
 
 

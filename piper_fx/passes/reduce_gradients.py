@@ -38,6 +38,15 @@ gradient leaves whole and unreduced, this replica's own (summed over
 microbatches), for the step to hold until the window's last call reduces what
 it held (`runtime.held_gradients`), as FSDP2 holds its unsharded gradients
 under `set_requires_gradient_sync(False)`.
+
+The program of a window's first call after it (`strategy.adds_held_gradients`,
+where `reduces_held_gradients` allows it) reduces what the window held with its
+own gradients, as DDP's reducer does with the `.grad` its window accumulated:
+each parameter's held gradient is an input (`InputRole.HELD_GRAD`, whole, in the
+reduction dtype), added to the call's gradient right before its reduction, so
+the window's reduction overlaps that call's backward. Only without a pipeline
+or experts, and at ZeRO-2/3 with one microbatch (each microbatch's gradient is
+reduce-scattered by itself there, where the sum is reduced once at ZeRO-0/1).
 """
 from __future__ import annotations
 
@@ -49,22 +58,47 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ..collectives.emit import cast, insert_call
 from ..collectives.redistribute import AVG, state_redistribution
-from ..ir import InputRole, OutputRole, TrainingDAG
+from ..ir import GraphInput, InputRole, OutputRole, TrainingDAG, add_placeholder
 from ..ops import COMM_NOTE, PHASE, REDUCE_GRAD, STEP_END, cast_dtype
 from ..options import Strategy
+from ..verify import InvalidGraphError
 
 ADD = torch.ops.aten.add.Tensor
 
 
+def reduces_held_gradients(strategy: Strategy) -> bool:
+    """Whether the program of `strategy` can reduce a window's held gradients with its own
+    (`adds_held_gradients`, module docstring)."""
+    return (strategy.dp > 1 and strategy.pp == 1 and strategy.ep == 1
+            and (strategy.zero <= 1 or strategy.microbatches == 1))
+
+
+def _held_input(dag: TrainingDAG, grad: fx.Node, parameter: GraphInput) -> fx.Node:
+    """The `InputRole.HELD_GRAD` placeholder of what a window held for `parameter`, like its
+    gradient `grad` as it is reduced (whole, in the reduction dtype, contiguous)."""
+    graph = dag.joint.graph
+    val = grad.meta["val"]
+    with graph.inserting_after(graph.find_nodes(op="placeholder")[-1]):
+        node = add_placeholder(graph, f"held_{parameter.name}")
+    with val.fake_mode:
+        node.meta["val"] = torch.empty(val.shape, dtype=val.dtype, device=val.device)
+    dag.inputs.append(GraphInput(node.name, InputRole.HELD_GRAD, None, parameter.fqn, held_for=parameter.arg_index))
+    return node
+
+
 def _state(dag: TrainingDAG, strategy: Strategy, grad: fx.Node, changes, group_name: str, *, before: fx.Node,
-           like: fx.Node, meta: dict) -> fx.Node:
+           like: fx.Node, meta: dict, parameter: GraphInput | None = None) -> fx.Node:
     """State the placement changes of the full gradient `grad` in turn (each a (src, dst) pair) over the
-    dp group, in the mixed-precision policy's reduction dtype."""
+    dp group, in the mixed-precision policy's reduction dtype, after adding what a window held for
+    `parameter` where the program does so (`strategy.adds_held_gradients`)."""
     full_shape, dtype = grad.meta["val"].shape, grad.meta["val"].dtype
     reduction_dtype = strategy.mixed_precision.reduction_dtype
     phase = {k: v for k, v in meta.items() if k == PHASE}
     if reduction_dtype is not None and reduction_dtype != dtype and dtype.is_floating_point:
         grad = cast(dag.joint.graph, grad, reduction_dtype, before=before, like=like, meta=phase)
+    if strategy.adds_held_gradients:
+        grad = insert_call(dag.joint.graph, ADD, (grad, _held_input(dag, grad, parameter)), before=before, like=like,
+                           meta=phase)
     for src, dst in changes:
         grad = state_redistribution(dag.joint.graph, grad, src, dst, group_name=group_name, group_size=strategy.dp,
                                     group_rank=strategy.dp_index, global_shape=full_shape, before=before, like=like,
@@ -144,6 +178,10 @@ def _fake_mode_of(vals) -> object | None:
 
 def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:
     graph = dag.joint.graph
+    inputs_by_arg = {i.arg_index: i for i in dag.inputs if i.arg_index is not None}
+    # Each row-sharded parameter's gradient leaves as its marker's result (its reads' markers folded).
+    parameter_of = {node: inputs_by_arg[o.index] for o, node in zip(dag.outputs, dag.output_node().args[0])
+                    if o.role is OutputRole.GRAD}
     for marker in [n for n in graph.nodes if n.op == "call_function" and n.target is REDUCE_GRAD]:
         grad, _, group_name = marker.args
         if strategy.zero == 1:
@@ -152,8 +190,12 @@ def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:
             changes, kind, phase = [(AVG, Replicate()), (Replicate(), Shard(0))], "all_reduce", _once_per_step(strategy)
         else:
             changes, kind, phase = [(AVG, Shard(0))], "reduce_scatter", {}
+        parameter = parameter_of.get(marker)
+        if strategy.adds_held_gradients and parameter is None:
+            raise InvalidGraphError(f"piper_fx: the gradient reduction {marker.name} is no parameter's gradient, "
+                                    "to add what a window held to")
         reduced = _state(dag, strategy, grad, changes, group_name, before=marker, like=marker,
-                         meta={COMM_NOTE: f"{kind} grad", **phase})
+                         meta={COMM_NOTE: f"{kind} grad", **phase}, parameter=parameter)
         marker.replace_all_uses_with(reduced)
         graph.erase_node(marker)
     dag.refresh_output_names()
@@ -173,7 +215,8 @@ def _all_reduce_full_gradients(dag: TrainingDAG, strategy: Strategy) -> None:
         source = inputs_by_arg.get(out.index) if out.role is OutputRole.GRAD else None
         if source is not None and source.role is InputRole.PARAM:
             node = _state(dag, strategy, node, [(AVG, Replicate())], dag.dp_group, before=node.next, like=node,
-                          meta={COMM_NOTE: f"all_reduce grad {source.fqn}", **_once_per_step(strategy)})
+                          meta={COMM_NOTE: f"all_reduce grad {source.fqn}", **_once_per_step(strategy)},
+                          parameter=source)
         new_outputs.append(node)
     dag.set_outputs(new_outputs)
 
@@ -181,6 +224,9 @@ def _all_reduce_full_gradients(dag: TrainingDAG, strategy: Strategy) -> None:
 def reduce_gradients(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
     if not dag.training or strategy.dp == 1:
         return dag
+    if strategy.adds_held_gradients and not (strategy.gradient_sync and reduces_held_gradients(strategy)):
+        raise InvalidGraphError("piper_fx: a program adding a window's held gradients is planned only where "
+                                "`reduces_held_gradients` allows it, with gradient synchronization on")
     if strategy.pp == 1:
         _sum_reads_before_reducing(dag, strategy.mixed_precision.param_dtype)
     if not strategy.gradient_sync:

@@ -19,10 +19,18 @@ order of its gradients, the same on every rank of the group. What each gives is 
 program's form of the parameter's gradient (a row shard's padded rows), which the
 step hands over as it hands over its program's.
 
-The window's collectives run after its last call's program, not overlapped with its
-backward as that program's would be: the cost of one reduction a window, where the
-window saved one a call. (While a window holds some of a model's parameters alone, a
-submodule's, the others' are reduced so after each call's program.)
+Where the strategy allows it (`passes.reduce_gradients.reduces_held_gradients`), the
+window's first call after it runs a program that adds each held gradient to its own
+right before reducing it (`adds_held_gradients`), so the window's collectives overlap
+that call's backward, as DDP's do: it reads the held gradient divided by the loss seed
+of the window's latest call (`take_into_program`), as the call's own seed, known only
+at its backward, scales the program's gradients after, and `given_back` hands them over,
+correcting by a reduction of what was held where the call's seed is another, or where
+the call's backward takes its gradients (`torch.autograd.grad`) or leaves them out,
+which leave what was held for the next call. Elsewhere the window's collectives run after
+its last call's program, not overlapped with its backward: the cost of one reduction a
+window, where the window saved one a call. (While a window holds some of a model's
+parameters alone, a submodule's, the others' are reduced so after each call's program.)
 """
 from __future__ import annotations
 
@@ -37,7 +45,7 @@ from ..collectives.buckets import FLAT_BUCKET
 from ..collectives.lowering import pad_rows
 from ..compat import leaf_use, resolve_process_group
 from ..errors import PiperError
-from ..gradient_sync import hold, set_pending, take
+from ..gradient_sync import divided, hold, release, set_pending, take
 from ..sharding.experts import is_expert_parameter
 
 _c10d = torch.ops._c10d_functional
@@ -114,7 +122,7 @@ class GradientReduction:
 def held_until_synced(reduction: GradientReduction, off: frozenset[int],
                       args: Sequence[torch.Tensor], grads: dict[int, torch.Tensor],
                       nodes: Sequence[torch.autograd.graph.Node | None],
-                      sent: dict[str, int]) -> dict[int, torch.Tensor]:
+                      sent: dict[str, int], seed: torch.Tensor | None) -> dict[int, torch.Tensor]:
     """The gradients to hand over from a program that leaves them unreduced, `nodes` saying
     where each argument's goes and `off` which of `args` had their synchronization off when
     the call was made. A gradient the backward adds into `.grad` (`backward()`) is held for
@@ -122,7 +130,8 @@ def held_until_synced(reduction: GradientReduction, off: frozenset[int],
     otherwise, reduced with what was held for it (`GradientReduction`); every rank records
     which parameters' gradients are held (`gradient_sync.set_pending`) from the backward's
     use of each, its own or not. One the backward leaves out (`backward(inputs=...)` not
-    naming its parameter) is dropped, as PyTorch computes none. One `torch.autograd.grad`
+    naming its parameter) is dropped, as PyTorch computes none. `grads` are scaled by the
+    call's loss `seed` (None: by 1), which each held one keeps. One `torch.autograd.grad`
     takes is this call's alone, reduced where synchronization is on (what is held stays for
     the next call that accumulates); where it is off, a `PiperError`: a window hands no
     gradient back before its end, and a replica's unreduced one is not a gradient of its
@@ -148,7 +157,7 @@ def held_until_synced(reduction: GradientReduction, off: frozenset[int],
             unreduced.append(reduction.held(grad))
             continue
         if index in off:
-            hold(args[index], reduction.held(grad))
+            hold(args[index], reduction.held(grad), held_seed(seed))
         else:  # this call's with what was held
             held = take(args[index])
             reduced.append(index)
@@ -156,6 +165,80 @@ def held_until_synced(reduction: GradientReduction, off: frozenset[int],
     if not reduced:
         return {}
     return dict(zip(reduced, reduction([args[i] for i in reduced], unreduced, sent)))
+
+
+def is_one_on_host(seed: torch.Tensor | None) -> bool:
+    """Whether a loss seed is 1 (None) and known to be without a read that waits for a device."""
+    return seed is None or (seed.device.type == "cpu" and seed.numel() == 1 and seed.item() == 1.0)
+
+
+def held_seed(seed: torch.Tensor | None) -> torch.Tensor | None:
+    """A call's loss seed as a held gradient keeps it: None for 1, else a copy of its own."""
+    return None if is_one_on_host(seed) else seed.detach().clone()
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What a window held for a parameter, as the program of its first call after it read it:
+    divided by the loss seed of the window's latest call (`seed`; None: 1), and still held
+    (`gradient_sync.divided`) until that call's backward hands it over."""
+
+    fed: torch.Tensor
+    seed: torch.Tensor | None
+
+
+def take_into_program(parameter: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+                      device: torch.device) -> tuple[torch.Tensor, Taken | None]:
+    """What the program of a window's first call after it (`adds_held_gradients`) reads for
+    `parameter`'s held gradient (of `shape` and `dtype`, contiguous, on `device`): the held one
+    divided by the loss seed of the window's latest call, as the call's own seed scales the
+    program's sum after (`given_back`), and what it took; zeros where the window held none. What
+    it took stays held until the call's backward, so a call whose backward never runs loses
+    none of it."""
+    held = divided(parameter)
+    if held is None:
+        return torch.zeros(shape, dtype=dtype, device=device), None
+    fed, seed = held
+    return fed.contiguous(), Taken(fed, seed)
+
+
+def given_back(reduction: GradientReduction, taken: dict[int, Taken], args: Sequence[torch.Tensor],
+               grads: dict[int, torch.Tensor], nodes: Sequence[torch.autograd.graph.Node | None],
+               sent: dict[str, int], seed: torch.Tensor | None) -> dict[int, torch.Tensor]:
+    """The gradients to hand over from the program of a window's first call after it, which
+    reduced what the window held (`taken`, by argument index, `take_into_program`) with the
+    call's own, scaled after by the call's loss `seed` (None: 1). Where the backward adds one
+    into `.grad`, its parameter holds nothing more (`gradient_sync.set_pending`); it is handed
+    over as it is where the window's latest seed was the call's, and otherwise corrected by
+    the difference of the seeds times what was held, reduced by itself. One the backward
+    leaves out (`backward(inputs=...)`) is dropped, and one `torch.autograd.grad` takes is
+    this call's alone: what was held, reduced, is taken off it; either way what was taken stays
+    held for the next call that accumulates (`held_until_synced` does the same). Every
+    rank makes the same corrections, as each rank's backward is the same. Reading a seed on a
+    device waits for its queue (once a window). The bytes sent are added to `sent`."""
+    uses = [leaf_use(node) for node in nodes]
+    for index, use in enumerate(uses):
+        if use == "accumulated":
+            set_pending(args[index], False)
+    call_seed = 1.0 if seed is None else seed
+    corrections: dict[int, torch.Tensor | float] = {}
+    for index, held in taken.items():
+        window_seed = 1.0 if held.seed is None else held.seed
+        if uses[index] == "captured":  # the call's own: s * reduced(own + held / seed) - s * reduced(held / seed)
+            corrections[index] = -call_seed
+        elif uses[index] == "accumulated" and float(window_seed) != float(call_seed):
+            corrections[index] = window_seed - call_seed  # s * reduced(own + held / seed) + (seed - s) * ...
+    if corrections:
+        indices = [i for i in corrections if i in grads]
+        reduced = reduction([args[i] for i in indices], [taken[i].fed for i in indices], sent)
+        for index, correction in zip(indices, reduced):
+            grads[index] = grads[index] + correction * corrections[index]
+    for index in taken:
+        if uses[index] == "accumulated":
+            release(args[index])
+        else:
+            set_pending(args[index], True)
+    return {index: grad for index, grad in grads.items() if uses[index] != "left out"}
 
 
 def _issue(pieces: list["_Piece"], sent: dict[str, int]) -> torch.Tensor:

@@ -44,7 +44,7 @@ from ..sharding.holdings import is_stored
 from ..sharding.replicas import broadcast_buffers
 from . import failures
 from .executor import ProgramExecutor, StepRun
-from .held_gradients import GradientReduction, held_until_synced
+from .held_gradients import GradientReduction, Taken, given_back, held_until_synced, is_one_on_host, take_into_program
 from .memory import (optimizer_state_bytes, optimizer_state_version, record_optimizer_state, storage_bytes,
                      storage_key)
 
@@ -178,11 +178,17 @@ class CompiledStep:
                  randomness: StepRandomness | None = None, specs: dict[int, DTensorSpec] | None = None,
                  placeholders: Mapping[int, bool] | None = None, themselves: Sequence[tuple[int, int]] = (),
                  numbers: Sequence[tuple[int, object]] = (), holds: GradientReduction | None = None,
-                 broadcasts: str | None = None):
+                 takes_held: GradientReduction | None = None, broadcasts: str | None = None):
         self.executor = executor
         # Given for the program without gradient reductions (`piper_fx.no_sync`): its gradients
         # are held in the model's window, and reduced so at the window's last call.
         self.holds = holds
+        # Given for the program of a window's first call after it, which reduces what the window
+        # held with its own gradients (`InputRole.HELD_GRAD`): each held gradient's program key,
+        # its parameter's argument index, and the (dtype, device) it is read in.
+        self.takes_held = takes_held
+        self.held_inputs = [((i.name, None), i.held_for, *executor.compiled_tensors[i.name])
+                            for i in inputs if i.role is InputRole.HELD_GRAD]
         # DDP's `broadcast_buffers=True`: the dp group (its name) whose first rank's buffers every
         # replica takes before a call (`_broadcast_buffers`).
         self.broadcasts = broadcasts
@@ -312,12 +318,13 @@ class CompiledStep:
             self._held_key = key
             self._held_bytes = {"parameters": storage_bytes(t for p, t in zip(parameters, tensors) if is_stored(p)),
                                 "optimizer_state": optimizer_state_bytes(parameters)}
-        held = held_gradients(parameters) if self.holds else ()
+        held = held_gradients(parameters) if self.holds or self.takes_held else ()
         return {**self._held_bytes, "gradients": storage_bytes([*(p.grad for p in parameters), *held])}
 
     def run_program(self, args: Sequence[torch.Tensor]):
-        """Run the program on the call's arguments: (user outputs, {arg index: grad}), each
-        gradient as the program computes it (a DTensor parameter's: its padded local rows)."""
+        """Run the program on the call's arguments: (user outputs, {arg index: grad}, {arg index:
+        what it took of a window's held gradient}), each gradient as the program computes it (a
+        DTensor parameter's: its padded local rows)."""
         global _latest_run
         started = time.perf_counter()
         call = failures.next_call()
@@ -339,6 +346,11 @@ class CompiledStep:
         tensors = self._reads(parameters)
         values.update(zip(self.held_keys, tensors))
         held = self._held(parameters, tensors) if self.training else {}
+        taken: dict[int, Taken] = {}
+        for key, index, dtype, device in self.held_inputs:
+            values[key], took = take_into_program(args[index], args[index].shape, dtype, device)
+            if took is not None:
+                taken[index] = took
         broadcast = self._broadcast_buffers(args) if self.broadcasts is not None else 0
         program_started = time.perf_counter()
         results, self.last_run = self.executor.run(values, call, held)
@@ -357,7 +369,7 @@ class CompiledStep:
                 user_outputs[index] = value / self.microbatches if loss and self.microbatches > 1 else value
         grads = {index: results[name] for name, index in self.grad_outputs if name in results}
         self.last_run.call_s = program_started - started + time.perf_counter() - program_ended
-        return user_outputs, grads
+        return user_outputs, grads, taken
 
     def _broadcast_buffers(self, args: Sequence[torch.Tensor]) -> int:
         """Give this replica the first one's buffers (those of this rank's stages) where the
@@ -391,7 +403,7 @@ class CompiledStep:
         arguments = self._stand_in(args) if self.placeholders else args
         if not self.training:
             with torch.no_grad():
-                user_outputs, _ = self.run_program(arguments)
+                user_outputs, _, _ = self.run_program(arguments)
         else:
             user_outputs = _StepFunction.apply(self, *arguments)
         if self.themselves or self.numbers:  # what the program does not return
@@ -407,12 +419,12 @@ class _StepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: CompiledStep, *args: torch.Tensor):
         with torch.no_grad():
-            user_outputs, grads = step.run_program(args)
-        ctx.grads = grads
+            user_outputs, grads, taken = step.run_program(args)
+        ctx.grads, ctx.taken = grads, taken
         ctx.args = args
         ctx.run = step.last_run  # where the hand-over's time goes
         ctx.attached, ctx.loss_index = step.attached, step.loss_index
-        ctx.holds = step.holds
+        ctx.holds, ctx.takes_held = step.holds, step.takes_held
         # Which parameters' gradients this call's backward holds rather than reduces: decided at
         # the call, as DDP's `no_sync` is (a forward inside the window whose backward runs after it holds).
         ctx.off = step.sync_off(args) if step.holds else frozenset()
@@ -443,21 +455,22 @@ class _StepFunction(torch.autograd.Function):
         # and a copy of every one would be held beside it. By 1 (`loss.backward()`'s seed) they
         # are not scaled where reading the seed costs nothing (on the host; on a device the read
         # would wait for its queue).
-        if grads and not _is_one_on_host(loss_seed):
+        if grads and not is_one_on_host(loss_seed):
             torch._foreach_mul_(list(grads.values()), loss_seed)
         if ctx.holds is not None:
             nodes = _arg_nodes(args, ctx.next_functions)
             grads = held_until_synced(ctx.holds, ctx.off, args, grads, nodes,
-                                      ctx.run.eager_bytes)
+                                      ctx.run.eager_bytes, loss_seed)
+            handed = (None, *_hand_over(args, grads, lambda: nodes))
+        elif ctx.takes_held is not None:
+            nodes = _arg_nodes(args, ctx.next_functions)
+            taken, ctx.taken = ctx.taken, None
+            grads = given_back(ctx.takes_held, taken, args, grads, nodes, ctx.run.eager_bytes, loss_seed)
             handed = (None, *_hand_over(args, grads, lambda: nodes))
         else:
             handed = (None, *_hand_over(args, grads, lambda: _arg_nodes(args, ctx.next_functions)))
         ctx.run.hand_over_s += time.perf_counter() - started
         return handed
-
-
-def _is_one_on_host(seed: torch.Tensor) -> bool:
-    return seed.device.type == "cpu" and seed.numel() == 1 and seed.item() == 1.0
 
 
 def _arg_nodes(args: Sequence[torch.Tensor], edges: Sequence[tuple]) -> list[torch.autograd.graph.Node | None]:
