@@ -105,7 +105,7 @@ def backward_forms_worker(rank: int, world: int, zero: int) -> dict:
     hands no gradient back before its end); (c) `torch.autograd.grad` of a call with
     synchronization on gets that call's reduced gradients and leaves what is held; (d) the next
     `backward()` reduces what (a) held with its own; then a window of a call whose loss is scaled
-    by 1/4 (e) and a call without backward, which changes nothing, the next call's scaled by 1/2
+    by 1/4 and one by 0 (e), and a call without backward, which changes nothing, the next call's scaled by 1/2
     and backward of some parameters (f), which reduces what was held of those with its own (the
     seeds differ) and leaves the others' held, and a `backward()` (g) that reduces those with its
     own, scaled by 1. The relative error of each
@@ -150,6 +150,9 @@ def backward_forms_worker(rank: int, world: int, zero: int) -> dict:
         batch, mine = replica(4)
         (compiled(*mine) / 4).backward()
         (reference(*batch) / 4).backward()
+        batch, mine = replica(8)  # its latest call's loss scaled by 0: what was held is not divided by it
+        (compiled(*mine) * 0).backward()
+        (reference(*batch) * 0).backward()
     compiled(*replica(7)[1])  # a call whose backward never runs (an evaluation with grad enabled, say)
     batch, mine = replica(5)  # (f)
     (compiled(*mine) * 0.5).backward(inputs=[params[i] for i in named])

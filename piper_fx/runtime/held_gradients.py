@@ -173,8 +173,15 @@ def is_one_on_host(seed: torch.Tensor | None) -> bool:
 
 
 def held_seed(seed: torch.Tensor | None) -> torch.Tensor | None:
-    """A call's loss seed as a held gradient keeps it: None for 1, else a copy of its own."""
-    return None if is_one_on_host(seed) else seed.detach().clone()
+    """A call's loss seed as a held gradient keeps it, to be read divided by it
+    (`take_into_program`): None for 1, else a copy of its own, a zero one as 1 (whichever it
+    is divided by, `given_back` corrects by the call's own)."""
+    if is_one_on_host(seed):
+        return None
+    seed = seed.detach()
+    if seed.device.type == "cpu" and seed.numel() == 1:
+        return None if seed.item() == 0.0 else seed.clone()
+    return torch.where(seed == 0, torch.ones_like(seed), seed)  # on a device, without reading it
 
 
 @dataclass(frozen=True)
