@@ -12,6 +12,9 @@ prints per case the largest relative error of the losses and of the final
 parameters, and exits non-zero if any is above fp32 tolerance (TF32 is turned
 off on both sides, so the two runs differ only by summation order).
 
+A case of `WINDOWS` trains each step as a `piper_fx.no_sync` window of calls on
+parts of the rank's shard, its last call reducing what the window held.
+
 A case under `mixed_precision` is compared with FSDP2 instead (`fully_shard`
 per block and at the root, over every rank, under the same
 `MixedPrecisionPolicy`, each rank on the same shard of the batch): with eager
@@ -45,6 +48,7 @@ sys.path.insert(0, str(ROOT))  # runnable from a checkout without `pip install`
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".inductor_cache"))
 
 import argparse
+import contextlib
 import copy
 import json
 import tempfile
@@ -93,7 +97,12 @@ CASES: dict[str, tuple[int, dict]] = {
     "dp2_zero3_bf16": (2, {"mesh": {"dp": 2}, "zero": 3, "codegen": "eager", "mixed_precision": BF16_FP32}),
     "pp2_dp2_zero1_dualpipev": (4, {"mesh": {"pp": 2, "dp": 2}, "zero": 1, "codegen": "eager",
                                     "pipeline": {**PIPELINE, "schedule": "dualpipev"}}),
+    "dp2_zero3_window": (2, {"mesh": {"dp": 2}, "zero": 3, "codegen": "eager"}),
 }
+# Cases whose every step is a `piper_fx.no_sync` window of this many calls, each on its part of
+# the rank's shard and its loss scaled by 1/calls (DDP's `no_sync()`): the last call reduces what
+# the window held in its backward. The reference trains on the whole batch, as before.
+WINDOWS = {"dp2_zero3_window": 2}
 
 
 # Hugging Face models for `--plan`: (model, world, options), each called with a padded batch's mask.
@@ -173,10 +182,23 @@ def passes(result: dict, options: dict) -> bool:
     return result["loss"] <= max(2 * loss_yardstick, 2 ** -7) and result["params"] <= max(2 * param_yardstick, RTOL)
 
 
-def run_case(rank: int, world: int, device: torch.device, options: dict) -> dict | None:
-    """Train piper_fx on this rank and beside it the reference (single-device PyTorch on rank 0
-    on the whole batch; under mixed precision FSDP2 on every rank on its shard, and with
-    Inductor also FSDP2 with its blocks compiled, the yardstick); rank 0 returns the errors."""
+def train_call(step, x: torch.Tensor, y: torch.Tensor, calls: int) -> torch.Tensor:
+    """Backward of `step` on `x`, `y`, as one call or as a `piper_fx.no_sync` window of `calls`
+    calls on their parts (`WINDOWS`); the loss, detached (the mean of the calls')."""
+    losses = []
+    for index, (xs, ys) in enumerate(zip(x.chunk(calls), y.chunk(calls))):
+        with piper_fx.no_sync(step) if index < calls - 1 else contextlib.nullcontext():
+            loss = step(xs, ys)
+            (loss / calls).backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).mean()
+
+
+def run_case(rank: int, world: int, device: torch.device, options: dict, calls: int = 1) -> dict | None:
+    """Train piper_fx on this rank (each step in `calls` calls, `WINDOWS`) and beside it the
+    reference (single-device PyTorch on rank 0 on the whole batch; under mixed precision FSDP2 on
+    every rank on its shard, and with Inductor also FSDP2 with its blocks compiled, the
+    yardstick); rank 0 returns the errors."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     strategy = piper_fx.parse_options(options)
@@ -202,10 +224,11 @@ def run_case(rank: int, world: int, device: torch.device, options: dict) -> dict
     for i in range(STEPS):
         x, y = (t.to(device) for t in global_batch(i, ROWS_PER_RANK * strategy.dp, cfg))
         shard = x.chunk(strategy.dp)[strategy.dp_index], y.chunk(strategy.dp)[strategy.dp_index]
-        step_losses = {"piper": step(*shard)}
+        step_losses = {"piper": train_call(step, *shard, calls)}
         step_losses.update({name: ref(*shard) if mixed else ref(x, y) for name, ref in references.items()})
-        for loss in step_losses.values():
-            loss.backward()
+        for name, loss in step_losses.items():
+            if name != "piper":
+                loss.backward()
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
@@ -254,12 +277,11 @@ def plan_case(device_type: str, case: str, result_path: str) -> None:
     for i in range(2):
         x, y = (t.to(device) for t in global_batch(i, ROWS_PER_RANK, cfg))
         if case in CASES:
-            loss = step(x, y)
+            train_call(step, x, y, WINDOWS.get(case, 1))
         else:  # every other row padded: its last 3 tokens masked, their labels ignored
             mask = torch.ones_like(x)
             mask[::2, -3:] = 0
-            loss = step(x, y.masked_fill(mask == 0, -100), mask)
-        loss.backward()
+            step(x, y.masked_fill(mask == 0, -100), mask).backward()
     Path(result_path).write_text(json.dumps({}))
     dist.destroy_process_group()
 
@@ -272,7 +294,7 @@ def rank_main(rank: int, world: int, device_type: str, init_method: str, case: s
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world, timeout=COLLECTIVE_TIMEOUT)
     try:
-        result = run_case(rank, world, device, CASES[case][1])
+        result = run_case(rank, world, device, CASES[case][1], WINDOWS.get(case, 1))
         if result is not None:
             Path(result_path).write_text(json.dumps(result))
     finally:
