@@ -2,6 +2,8 @@
 single-process training on the same batches (run inside `run_ranks`; tests/test_gradient_sync.py)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -163,3 +165,44 @@ def backward_forms_worker(rank: int, world: int, zero: int) -> dict:
     reference(*batch).backward()
     out["seeds_errors"] = [relative_error(full(p.grad), q.grad) for p, q in zip(params, ref_params, strict=True)]
     return out
+
+
+def calls_worker(rank: int, world: int, zero: int, calls: list[tuple[bool, str, float]]) -> dict:
+    """`calls` of the GPT prepared at `zero` over `world` replicas, each (in a window, how its
+    backward goes, its loss's scale), against one process making the same calls on the global
+    batches: a window's call goes back by `backward()` ("backward") or `backward(inputs=...)` of
+    three parameters ("inputs"); a call with synchronization on by those, by
+    `torch.autograd.grad` ("autograd", whose gradients it compares), or not at all ("none");
+    then a `backward()` with synchronization on, after which every gradient is compared. The
+    largest relative error of the gradients each comparison saw."""
+    cfg = GPTConfig(**SMALL)
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    options = {"zero": zero, "codegen": "eager"}
+    piper_fx.prepare(model, options)
+    compiled = torch.compile(model, backend="piper", options=options)
+    params, ref_params = list(model.parameters()), list(reference.parameters())
+    named = [1, 4, 9]
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    errors = []
+    for index, (in_window, form, scale) in enumerate([*calls, (False, "backward", 1.0)]):
+        x, y = global_batch(100 + index, 2 * world, cfg)
+        with piper_fx.no_sync(compiled) if in_window else contextlib.nullcontext():
+            loss, ref_loss = compiled(x.chunk(world)[rank], y.chunk(world)[rank]) * scale, reference(x, y) * scale
+            if form == "backward":
+                loss.backward()
+                ref_loss.backward()
+            elif form == "inputs":
+                loss.backward(inputs=[params[i] for i in named])
+                ref_loss.backward(inputs=[ref_params[i] for i in named])
+            elif form == "autograd":
+                grads = torch.autograd.grad(loss, params)
+                ref_grads = torch.autograd.grad(ref_loss, ref_params)
+                errors.append(max(relative_error(full(g), r) for g, r in zip(grads, ref_grads, strict=True)))
+    errors.append(max(relative_error(full(p.grad), q.grad) for p, q in zip(params, ref_params, strict=True)))
+    return {"errors": errors}

@@ -1,11 +1,15 @@
 """Gradient accumulation without communication (`piper_fx.no_sync`, `set_requires_gradient_sync`):
 the calls of a window hold their gradients unreduced, the first call after reduces them once, and
 training equals single-process training on the same batches."""
+import os
+
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 import piper_fx
-from gradient_sync_workers import backward_forms_worker, gradient_sync_worker
+from gradient_sync_workers import backward_forms_worker, calls_worker, gradient_sync_worker
 from ranks import run_ranks
 
 RTOL = 1e-5
@@ -178,3 +182,35 @@ def test_one_replica_has_nothing_to_hold_back(monkeypatch):
             torch.testing.assert_close(p.grad, q.grad, msg=name)
     assert [strategy.gradient_sync for strategy in compiles] == [True]
     torch._dynamo.reset()
+
+
+EXAMPLES = int(os.environ.get("PIPER_WINDOW_EXAMPLES", "0"))
+SCALES = (1.0, 0.5, 0.25, 1 / 3, 0.0, 2.0)
+
+
+@st.composite
+def window_calls(draw) -> tuple[int, list[tuple[bool, str, float]]]:
+    """A ZeRO level and a sequence of calls: in a window or not, how each goes back, its loss's scale."""
+    calls = []
+    for _ in range(draw(st.integers(1, 6))):
+        in_window = draw(st.booleans())
+        forms = ("backward", "inputs") if in_window else ("backward", "inputs", "autograd", "none")
+        calls.append((in_window, draw(st.sampled_from(forms)), draw(st.sampled_from(SCALES))))
+    return draw(st.integers(0, 3)), calls
+
+
+@settings(max_examples=EXAMPLES or 8, derandomize=not EXAMPLES, database=None, deadline=None,
+          phases=(Phase.generate, Phase.shrink) if EXAMPLES else (Phase.generate,),
+          suppress_health_check=(HealthCheck.too_slow,))
+@given(case=window_calls())
+def test_generated_calls_through_windows_give_what_one_process_gives(rank_pools, case):
+    """Windows opened and closed between calls of every backward form and loss scale (the first
+    call after a window reduces what it held in its program, read divided by the window's latest
+    scale, and corrects where its own differs, its backward takes its gradients, leaves some out,
+    or never runs), at every ZeRO level: the gradients `torch.autograd.grad` gets and those in
+    `.grad` at the end are one process's on the global batches. CI runs 8 fixed cases;
+    `PIPER_WINDOW_EXAMPLES=N` searches N random ones (with shrinking)."""
+    zero, calls = case
+    for rank, outcome in enumerate(rank_pools(2).run(calls_worker, zero, calls, deadline_s=300)):
+        assert "error" not in outcome, (case, rank, outcome.get("error"))
+        assert max(outcome["value"]["errors"]) < RTOL, (case, rank, outcome["value"]["errors"])
