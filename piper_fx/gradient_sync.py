@@ -18,8 +18,8 @@ they are held apart, as FSDP2 holds its unsharded gradients. The first call with
 synchronization on reduces what was held with its own, the strategy's collectives, so
 the parameters then get what one call on the window's batches would give them, and
 the collectives of the window's other calls are saved. Where the strategy allows it
-(`passes.reduce_gradients.reduces_held_gradients`: no pipeline, no experts, one
-microbatch at ZeRO-2/3) that call runs a program of its own (`after_window`), taking
+(`passes.reduce_gradients.reduces_held_gradients`: no pipeline, no experts) that
+call runs a program of its own (`after_window`), taking
 each parameter's held gradient as an input and adding it to the call's right before
 its reduction, so the window's reductions overlap the call's backward, as DDP's
 reducer overlaps those of the `.grad` its window accumulated; elsewhere it runs the

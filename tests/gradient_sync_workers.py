@@ -167,8 +167,8 @@ def backward_forms_worker(rank: int, world: int, zero: int) -> dict:
     return out
 
 
-def calls_worker(rank: int, world: int, zero: int, calls: list[tuple[bool, str, float]]) -> dict:
-    """`calls` of the GPT prepared at `zero` over `world` replicas, each (in a window, how its
+def calls_worker(rank: int, world: int, zero: int, microbatches: int, calls: list[tuple[bool, str, float]]) -> dict:
+    """`calls` of the GPT prepared at `zero` over `world` replicas (in `microbatches` each), each (in a window, how its
     backward goes, its loss's scale), against one process making the same calls on the global
     batches: a window's call goes back by `backward()` ("backward") or `backward(inputs=...)` of
     three parameters ("inputs"); a call with synchronization on by those, by
@@ -180,7 +180,7 @@ def calls_worker(rank: int, world: int, zero: int, calls: list[tuple[bool, str, 
     reference = GPT(cfg)
     torch.manual_seed(0)
     model = GPT(cfg)
-    options = {"zero": zero, "codegen": "eager"}
+    options = {"zero": zero, "codegen": "eager", "pipeline": {"microbatches": microbatches}}
     piper_fx.prepare(model, options)
     compiled = torch.compile(model, backend="piper", options=options)
     params, ref_params = list(model.parameters()), list(reference.parameters())
@@ -191,7 +191,7 @@ def calls_worker(rank: int, world: int, zero: int, calls: list[tuple[bool, str, 
 
     errors = []
     for index, (in_window, form, scale) in enumerate([*calls, (False, "backward", 1.0)]):
-        x, y = global_batch(100 + index, 2 * world, cfg)
+        x, y = global_batch(100 + index, 2 * world * microbatches, cfg)
         with piper_fx.no_sync(compiled) if in_window else contextlib.nullcontext():
             loss, ref_loss = compiled(x.chunk(world)[rank], y.chunk(world)[rank]) * scale, reference(x, y) * scale
             if form == "backward":

@@ -21,6 +21,8 @@ TWO_RANKS = [
     *({"options": {"zero": zero}, "window": False} for zero in range(4)),
     {"options": {"zero": 2}, "context": False},  # FSDP2's set_requires_gradient_sync
     {"options": {"zero": 1, "pipeline": {"microbatches": 2}}},  # ZeRO-1's once-a-step reduction
+    # ZeRO-3 reduce-scatters each microbatch's gradient: each adds its share of what the window held.
+    {"options": {"zero": 3, "pipeline": {"microbatches": 2}}},
     # Experts over ep 2 = dp: a block no other rank holds, whose group is the very ranks of dp (found
     # by the strategy search: the dense parameters were taken for experts by their group, and kept
     # unreduced).
@@ -189,14 +191,15 @@ SCALES = (1.0, 0.5, 0.25, 1 / 3, 0.0, 2.0)
 
 
 @st.composite
-def window_calls(draw) -> tuple[int, list[tuple[bool, str, float]]]:
-    """A ZeRO level and a sequence of calls: in a window or not, how each goes back, its loss's scale."""
+def window_calls(draw) -> tuple[int, int, list[tuple[bool, str, float]]]:
+    """A ZeRO level, the microbatches of a call, and a sequence of calls: in a window or not, how
+    each goes back, its loss's scale."""
     calls = []
     for _ in range(draw(st.integers(1, 6))):
         in_window = draw(st.booleans())
         forms = ("backward", "inputs") if in_window else ("backward", "inputs", "autograd", "none")
         calls.append((in_window, draw(st.sampled_from(forms)), draw(st.sampled_from(SCALES))))
-    return draw(st.integers(0, 3)), calls
+    return draw(st.integers(0, 3)), draw(st.sampled_from((1, 2))), calls
 
 
 @settings(max_examples=EXAMPLES or 8, derandomize=not EXAMPLES, database=None, deadline=None,
@@ -207,10 +210,10 @@ def test_generated_calls_through_windows_give_what_one_process_gives(rank_pools,
     """Windows opened and closed between calls of every backward form and loss scale (the first
     call after a window reduces what it held in its program, read divided by the window's latest
     scale, and corrects where its own differs, its backward takes its gradients, leaves some out,
-    or never runs), at every ZeRO level: the gradients `torch.autograd.grad` gets and those in
+    or never runs), at every ZeRO level, in one microbatch or two: the gradients `torch.autograd.grad` gets and those in
     `.grad` at the end are one process's on the global batches. CI runs 8 fixed cases;
     `PIPER_WINDOW_EXAMPLES=N` searches N random ones (with shrinking)."""
-    zero, calls = case
-    for rank, outcome in enumerate(rank_pools(2).run(calls_worker, zero, calls, deadline_s=300)):
+    zero, microbatches, calls = case
+    for rank, outcome in enumerate(rank_pools(2).run(calls_worker, zero, microbatches, calls, deadline_s=300)):
         assert "error" not in outcome, (case, rank, outcome.get("error"))
         assert max(outcome["value"]["errors"]) < RTOL, (case, rank, outcome["value"]["errors"])

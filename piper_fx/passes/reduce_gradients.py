@@ -44,9 +44,10 @@ where `reduces_held_gradients` allows it) reduces what the window held with its
 own gradients, as DDP's reducer does with the `.grad` its window accumulated:
 each parameter's held gradient is an input (`InputRole.HELD_GRAD`, whole, in the
 reduction dtype), added to the call's gradient right before its reduction, so
-the window's reduction overlaps that call's backward. Only without a pipeline
-or experts, and at ZeRO-2/3 with one microbatch (each microbatch's gradient is
-reduce-scattered by itself there, where the sum is reduced once at ZeRO-0/1).
+the window's reduction overlaps that call's backward. At ZeRO-2/3, where each
+microbatch's gradient is reduce-scattered by itself (the sum is reduced once at
+ZeRO-0/1), each adds its share, 1/microbatches of it. Only without a pipeline
+or experts.
 """
 from __future__ import annotations
 
@@ -64,13 +65,13 @@ from ..options import Strategy
 from ..verify import InvalidGraphError
 
 ADD = torch.ops.aten.add.Tensor
+MUL = torch.ops.aten.mul.Tensor
 
 
 def reduces_held_gradients(strategy: Strategy) -> bool:
     """Whether the program of `strategy` can reduce a window's held gradients with its own
     (`adds_held_gradients`, module docstring)."""
-    return (strategy.dp > 1 and strategy.pp == 1 and strategy.ep == 1
-            and (strategy.zero <= 1 or strategy.microbatches == 1))
+    return strategy.dp > 1 and strategy.pp == 1 and strategy.ep == 1
 
 
 def _held_input(dag: TrainingDAG, grad: fx.Node, parameter: GraphInput) -> fx.Node:
@@ -97,8 +98,10 @@ def _state(dag: TrainingDAG, strategy: Strategy, grad: fx.Node, changes, group_n
     if reduction_dtype is not None and reduction_dtype != dtype and dtype.is_floating_point:
         grad = cast(dag.joint.graph, grad, reduction_dtype, before=before, like=like, meta=phase)
     if strategy.adds_held_gradients:
-        grad = insert_call(dag.joint.graph, ADD, (grad, _held_input(dag, grad, parameter)), before=before, like=like,
-                           meta=phase)
+        held = _held_input(dag, grad, parameter)
+        if PHASE not in phase and strategy.microbatches > 1:  # reduced microbatch by microbatch: each its share
+            held = insert_call(dag.joint.graph, MUL, (held, 1 / strategy.microbatches), before=before, like=like)
+        grad = insert_call(dag.joint.graph, ADD, (grad, held), before=before, like=like, meta=phase)
     for src, dst in changes:
         grad = state_redistribution(dag.joint.graph, grad, src, dst, group_name=group_name, group_size=strategy.dp,
                                     group_rank=strategy.dp_index, global_shape=full_shape, before=before, like=like,
