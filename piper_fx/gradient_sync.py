@@ -18,31 +18,31 @@ they are held apart, as FSDP2 holds its unsharded gradients. The first call with
 synchronization on reduces what was held with its own, the strategy's collectives, so
 the parameters then get what one call on the window's batches would give them, and
 the collectives of the window's other calls are saved. Where the strategy allows it
-(`passes.reduce_gradients.reduces_held_gradients`: no pipeline, no experts) that
-call runs a program of its own (`after_window`), taking
-each parameter's held gradient as an input and adding it to the call's right before
-its reduction, so the window's reductions overlap the call's backward, as DDP's
-reducer overlaps those of the `.grad` its window accumulated; elsewhere it runs the
-program without reductions, adds its own, and reduces everything held after it in one
-pass of bucketed collectives (`runtime.held_gradients`). ZeRO-3 still gathers
-its parameters in every call (FSDP2 too, without `reshard_after_backward=False`).
-A backward holds the gradients it accumulates: `backward(inputs=...)` those of the
-parameters it names; `torch.autograd.grad`, which accumulates none, is refused inside
-a window (nothing is handed back before its end), and after one gets its own call's
-gradients, reduced, leaving what is held for the next `backward()`
-(`runtime.held_gradients.held_until_synced`).
+(`passes.reduce_gradients.reduces_held_gradients`: no pipeline, no experts) that call
+runs a program of its own (`after_window`), taking each parameter's held gradient as an
+input and adding it to the call's right before its reduction, so the window's
+reductions overlap the call's backward, as DDP's reducer overlaps those of the `.grad`
+its window accumulated; elsewhere it runs the program without reductions, adds its own,
+and reduces everything held after it in one pass of bucketed collectives
+(`runtime.held_gradients`). ZeRO-3 still gathers its parameters in every call (FSDP2
+too, without `reshard_after_backward=False`). A backward holds the gradients it
+accumulates: `backward(inputs=...)` those of the parameters it names;
+`torch.autograd.grad`, which accumulates none, is refused inside a window (nothing is
+handed back before its end), and after one gets its own call's gradients, reduced,
+leaving what is held for the next `backward()` (`runtime.held_gradients`).
 
 Synchronization is each parameter's, as FSDP2's is each module's: set on a submodule, it
 holds the gradients of that submodule's parameters alone, and the model's others are
 reduced at every call as before. While any parameter a call reads has it off, the call
 runs the program without reductions, and the parameters whose synchronization is on are
 reduced after it (with what they held), not overlapped with its backward. `no_sync` puts
-each parameter's setting back as it found it, as DDP's puts its module's back. Every rank of a data-parallel group must turn synchronization off and
-on at the same calls, for the same parameters, as with DDP and FSDP2; a model whose
-synchronization was never turned off pays nothing for this. With expert parallelism
-(ep > 1) a block of experts' gradient is summed over its ep group's tokens in every call,
-as without a window (that is the experts' computation, not their synchronization), and
-averaged over the ranks holding the same block at the window's end.
+each parameter's setting back as it found it, as DDP's puts its module's back. Every
+rank of a data-parallel group must turn synchronization off and on at the same calls,
+for the same parameters, as with DDP and FSDP2; a model whose synchronization was never
+turned off pays nothing for this. With expert parallelism (ep > 1) a block of experts'
+gradient is summed over its ep group's tokens in every call, as without a window (that
+is the experts' computation, not their synchronization), and averaged over the ranks
+holding the same block at the window's end.
 """
 from __future__ import annotations
 
