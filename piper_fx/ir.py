@@ -447,9 +447,13 @@ class TrainingDAG:
         for spec, node in zip(self.outputs, self.output_node().args[0]):
             spec.name = node.name
 
+    def inputs_by_argument(self) -> dict[int, GraphInput]:
+        """The inputs that are the compiled call's arguments, by the argument's index."""
+        return {i.arg_index: i for i in self.inputs if i.arg_index is not None}
+
     def mutated_inputs(self) -> list[tuple[GraphOutput, GraphInput]]:
         """Each input the forward mutates in place (a MUTATION output: its new value), with it."""
-        by_argument = {i.arg_index: i for i in self.inputs}
+        by_argument = self.inputs_by_argument()
         return [(o, by_argument[o.index]) for o in self.outputs if o.role is OutputRole.MUTATION]
 
     def drop_outputs(self, names: set[str]) -> None:

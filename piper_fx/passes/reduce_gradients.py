@@ -181,7 +181,7 @@ def _fake_mode_of(vals) -> object | None:
 
 def _lower_markers(dag: TrainingDAG, strategy: Strategy) -> None:
     graph = dag.joint.graph
-    inputs_by_arg = {i.arg_index: i for i in dag.inputs if i.arg_index is not None}
+    inputs_by_arg = dag.inputs_by_argument()
     # Each row-sharded parameter's gradient leaves as its marker's result (its reads' markers folded).
     parameter_of = {node: inputs_by_arg[o.index] for o, node in zip(dag.outputs, dag.output_node().args[0])
                     if o.role is OutputRole.GRAD}
@@ -210,7 +210,7 @@ def _once_per_step(strategy: Strategy) -> dict:
 
 
 def _all_reduce_full_gradients(dag: TrainingDAG, strategy: Strategy) -> None:
-    inputs_by_arg = {i.arg_index: i for i in dag.inputs if i.arg_index is not None}
+    inputs_by_arg = dag.inputs_by_argument()
     by_name = {n.name: n for n in dag.joint.graph.nodes}
     new_outputs = []
     for out in dag.outputs:

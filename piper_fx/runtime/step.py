@@ -457,15 +457,13 @@ class _StepFunction(torch.autograd.Function):
         # would wait for its queue).
         if grads and not is_one_on_host(loss_seed):
             torch._foreach_mul_(list(grads.values()), loss_seed)
-        if ctx.holds is not None:
+        if ctx.holds is not None or ctx.takes_held is not None:  # a window's step
             nodes = _arg_nodes(args, ctx.next_functions)
-            grads = held_until_synced(ctx.holds, ctx.off, args, grads, nodes,
-                                      ctx.run.eager_bytes, loss_seed)
-            handed = (None, *_hand_over(args, grads, lambda: nodes))
-        elif ctx.takes_held is not None:
-            nodes = _arg_nodes(args, ctx.next_functions)
-            taken, ctx.taken = ctx.taken, None
-            grads = given_back(ctx.takes_held, taken, args, grads, nodes, ctx.run.eager_bytes, loss_seed)
+            if ctx.holds is not None:
+                grads = held_until_synced(ctx.holds, ctx.off, args, grads, nodes, ctx.run.eager_bytes, loss_seed)
+            else:
+                taken, ctx.taken = ctx.taken, None
+                grads = given_back(ctx.takes_held, taken, args, grads, nodes, ctx.run.eager_bytes, loss_seed)
             handed = (None, *_hand_over(args, grads, lambda: nodes))
         else:
             handed = (None, *_hand_over(args, grads, lambda: _arg_nodes(args, ctx.next_functions)))
