@@ -250,6 +250,54 @@ def test_every_parameter_a_bucket_gathers_is_contiguous():
     assert all(p.is_contiguous() for p in parts), [p.stride() for p in parts]
 
 
+def test_a_gathered_bucket_unpacks_into_its_tensors_whole_new_and_contiguous():
+    """`piper::unpack_bucket` on a bucket gathered at world 2 (each rank's shards flattened in
+    turn, rank after rank): each tensor holds every rank's rows in rank order, in a storage
+    of its own, contiguous, whatever its rows (one row a rank included) and dimensions."""
+    from piper_fx.collectives.buckets import UNPACK_BUCKET
+
+    shards = [[torch.arange(6.0).reshape(2, 3) + 100 * r, torch.arange(2.0) + 10 * r,
+               torch.arange(3.0).reshape(1, 3) + 1000 * r] for r in range(2)]
+    gathered = torch.cat([t.reshape(-1) for rank in shards for t in rank])
+    shapes = [(4, 3), (4,), (2, 3)]
+    parts = UNPACK_BUCKET(gathered, 2, [len(shape) for shape in shapes], [n for shape in shapes for n in shape])
+    assert len(parts) == 3
+    for index, part in enumerate(parts):
+        assert torch.equal(part, torch.cat([rank[index] for rank in shards])), index
+        assert part.is_contiguous() and part.untyped_storage().data_ptr() != gathered.untyped_storage().data_ptr()
+
+
+def _views_off_their_input(options: dict) -> list[str]:
+    """Each view (or item) in a planned task whose value is not on the storage of the value it
+    reads (`runtime.memory.task_peak` counts a task's memory by storage)."""
+    from piper_fx.ops import is_alias
+    from piper_fx.runtime.memory import storage_key
+    from training import plan_all_ranks
+
+    def storages(value) -> set[int]:
+        values = value if isinstance(value, (list, tuple)) else [value]
+        return {storage_key(v) for v in values if isinstance(v, torch.Tensor)}
+
+    programs, _ = plan_all_ranks(options, world=2, n_layer=2, batch_rows=4)
+    return [f"{rank} {name} {node.name}" for rank, program in programs.items()
+            for name, task in program.tasks.items() for node in task.graph.graph.nodes
+            if is_alias(node) and node.all_input_nodes
+            and not storages(node.meta.get("val")) <= storages(node.all_input_nodes[0].meta.get("val"))]
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_every_view_a_planned_task_makes_is_on_the_storage_it_reads(zero):
+    """A bucket's merge gives the readers of its outputs new values where their layout changed
+    (`bucket_collectives._repair`); a view's value must also follow its input's storage, which the
+    bucket made anew: one left on the storage of the value it read before counted that storage
+    again in the task's memory (2.9% over the allocator's peak at ZeRO-3 once a gathered
+    bucket was copied out by one op; over 200 views off their storage before, on two ranks).
+    (ZeRO-1/2's parameters, gathered in the prologue, reach the forward's and backward's tasks
+    as inputs, whose views there are still on other storages: not yet checked.)"""
+    with processes().Pool(1) as pool:  # the fake group must not leak into other tests
+        assert pool.apply(_views_off_their_input, ({"zero": zero, "codegen": "eager"},)) == []
+
+
 @st.composite
 def _reductions(draw):
     numels = draw(st.lists(st.integers(1, 160).map(lambda k: 2048 * k), min_size=1, max_size=10))

@@ -9,6 +9,9 @@ compiled code calls as they are.
   No flat input lives apart from the result, for gloo's worker thread to hold past the
   step's use of it, and the graph names no rank (it is found when the op runs), so every
   rank of a group has the same task code (`codegen.shared`).
+- `piper::unpack_bucket`: a gathered bucket's tensors, each copied out of it whole, by one
+  op as FSDP2's `split_with_sizes_copy`, where Inductor would make and compile copy kernels
+  (about a second of a cold compile each on a CPU, for every layout of bucket).
 """
 from __future__ import annotations
 
@@ -64,3 +67,28 @@ def _(shards, group_size, group_name, dtype):
 
 
 GATHER_BUCKET = torch.ops.piper.gather_bucket.default
+
+
+@torch.library.custom_op("piper::unpack_bucket", mutates_args=())
+def _unpack_bucket(gathered: torch.Tensor, group_size: int, dims: list[int], shape: list[int]) -> list[torch.Tensor]:
+    """The tensors of a gathered bucket (`gather_bucket`'s result once waited for), each new and
+    contiguous: tensor i, of `dims[i]` dimensions, its shape the next `dims[i]` sizes of
+    `shape`, holds every rank's shard of it (its rows, rank after rank), each shard
+    `1/group_size` of it, where the bucket holds each rank's shards one after another."""
+    out = _unpacked_like(gathered, group_size, dims, shape)
+    torch.split_with_sizes_copy(gathered.view(group_size, -1), [t.numel() // group_size for t in out], dim=1,
+                                out=[t.view(group_size, -1) for t in out])
+    return out
+
+
+def _unpacked_like(gathered: torch.Tensor, group_size: int, dims: list[int], shape: list[int]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for n in dims:
+        out.append(gathered.new_empty(shape[start:start + n]))
+        start += n
+    return out
+
+
+_unpack_bucket.register_fake(_unpacked_like)
+
+UNPACK_BUCKET = torch.ops.piper.unpack_bucket.default

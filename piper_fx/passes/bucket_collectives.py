@@ -26,10 +26,12 @@ calls as they are: an all-gather bucket (a gather grouped with no other is a
 bucket of one) is one `piper::gather_bucket`, which copies the rank's shards
 into its own slot of the gathered buffer and gathers in place, as FSDP2 does
 (the graph names no rank: every rank of the group has the same task code,
-compiled once for all of them, `codegen.shared`); a reduction's flat buffer is
-one `piper::flat_bucket`, where Inductor's lowering of the `torch.cat` its
-merge functions trace generates and compiles a copy kernel per tensor of the
-bucket.
+compiled once for all of them, `codegen.shared`), and its tensors are copied
+out of the gathered buffer by one `piper::unpack_bucket`, as FSDP2's
+`split_with_sizes_copy`; a reduction's flat buffer is one `piper::flat_bucket`.
+Inductor would make a kernel of each of those copies (lowering the `torch.cat`
+its merge functions trace, and each gathered tensor's copy out of the buffer),
+each one more C++ build in a cold compile.
 """
 from __future__ import annotations
 
@@ -41,12 +43,13 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..collectives.buckets import FLAT_BUCKET, GATHER_BUCKET
+from ..collectives.buckets import FLAT_BUCKET, GATHER_BUCKET, UNPACK_BUCKET
 from ..compat import (bucketing, detect_fake_mode, sort_bucket_region, stable_topological_sort, takes_cast,
-                      trace_bucket, tracing, tree_map_only)
+                      trace_bucket, tracing, tree_leaves, tree_map_only)
 from ..ir import BACKWARD_KINDS, TrainingDAG
-from ..ops import ALL_REDUCE, REDUCE_SCATTER, UNIT, WAIT, is_wait
+from ..ops import ALL_REDUCE, REDUCE_SCATTER, UNIT, WAIT, is_alias, is_wait
 from ..options import Strategy
+from ..runtime.memory import storage_key
 
 
 def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float, traces: _Traces) -> None:
@@ -217,11 +220,18 @@ def _detached(value: Any) -> Any:
     return tree_map_only(torch.Tensor, torch.Tensor.detach, value)
 
 
+def _storages(value: Any) -> list[int]:
+    return [storage_key(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
 def _repair(users: list[fx.Node]) -> None:
     """Recompute the values of `users` (of a bucket's outputs), and in turn of theirs, where they
     change: a bucket's view of a value may have other strides than the value it replaces
-    (Inductor's `_recompute_changed_user_metadata`, the values detached). As there, a node
-    whose op does not run on its inputs' values keeps its value."""
+    (Inductor's `_recompute_changed_user_metadata`, the values detached), and a view's value
+    is a view of its input's (its storage), which the bucket made anew: what a task holds is
+    counted by storage (`runtime.memory.task_peak`), and a view left on the storage of the
+    value it read before counted that storage once more. As there, a node whose op does not
+    run on its inputs' values keeps its value."""
     work, queued = collections.deque(users), set(users)
     while work:
         node = work.popleft()
@@ -235,7 +245,8 @@ def _repair(users: list[fx.Node]) -> None:
                 value = _detached(node.target(*args, **kwargs))
         except Exception:  # noqa: BLE001 - best effort, as Inductor's repair
             continue
-        if _layout(value) == _layout(node.meta["val"]):
+        if _layout(value) == _layout(node.meta["val"]) and \
+                not (is_alias(node) and _storages(value) != _storages(node.meta["val"])):
             continue
         node.meta["val"] = value
         for user in node.users:
@@ -247,16 +258,17 @@ def _repair(users: list[fx.Node]) -> None:
 def _gather_bucket(inputs: list, group_name: str, group_size: int, dtype: torch.dtype) -> list:
     """A bucket's all-gather, traced into the graph: the shards, cast to the gathered dtype
     (the bucket takes a cast's input, and casts it itself), gathered in place by one op
-    (`piper::gather_bucket`), and taken out per tensor, each contiguous: the reshape copies a
-    shard of several rows, and would leave one of a single row a strided view of the bucket
-    (its rows a rank's part apart), which is copied too; the plan's values say contiguous, and
-    a task Inductor compiled for them refused the view. (Inductor's own merge gathers in place
-    too, with the `_out` collective into a buffer of the graph's: that trained wrong under
-    Inductor on gloo, losses off by 1e-3, and names the rank.)"""
-    sizes = [t.numel() for t in inputs]
-    gathered = WAIT(GATHER_BUCKET(inputs, group_size, group_name, dtype)).reshape(group_size, -1)
-    return [part.reshape((t.shape[0] * group_size, *t.shape[1:])).contiguous()
-            for part, t in zip(torch.split_with_sizes(gathered, sizes, dim=1), inputs)]
+    (`piper::gather_bucket`), and copied out per tensor by one op (`piper::unpack_bucket`),
+    each contiguous: a shard of one row taken out as a view of the bucket would be strided
+    (its rows a rank's part apart), and the plan's values say contiguous (a task Inductor
+    compiled for them refused the view). Copied out by Inductor's own kernels, the copies
+    were a cold compile's kernels of their own, or fused into a layer's, for each layout of
+    bucket: on a GPT of 12 blocks under ZeRO-3, 6 of the 25 kernels built. (Inductor's own
+    merge gathers in place too, with the `_out` collective into a buffer of the graph's:
+    that trained wrong under Inductor on gloo, losses off by 1e-3, and names the rank.)"""
+    gathered = WAIT(GATHER_BUCKET(inputs, group_size, group_name, dtype))
+    shapes = [(t.shape[0] * group_size, *t.shape[1:]) if t.dim() else (group_size,) for t in inputs]
+    return list(UNPACK_BUCKET(gathered, group_size, [len(s) for s in shapes], [n for s in shapes for n in s]))
 
 
 def _reduce_scatter_from_flat_copy(inputs: list, group_name: str, group_size: int, reduce_op: str,

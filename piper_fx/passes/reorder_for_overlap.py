@@ -3,7 +3,8 @@
 Requires: `dag.tasks` after `bucket_collectives` (functional collectives, each
 start followed somewhere by the `wait_tensor` of its result).
 Guarantees, when `strategy.overlap` (otherwise the graphs are left as they are):
-  - Every wait, with the views of its result (a bucket's per-tensor views),
+  - Every wait, with what takes its result apart (a bucket's per-tensor views,
+    or a gathered bucket's copy into its tensors, `piper::unpack_bucket`),
     sits right before the first op that reads the collective's result
     (gradient reductions whose result only leaves the task wait at its end), so
     the compute in between runs while the collective is in flight.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from ..collectives.buckets import UNPACK_BUCKET
 from ..ir import TrainingDAG
 from ..ops import WAIT, collective_kind, is_alias, wait_of
 from ..options import Strategy
@@ -39,18 +41,30 @@ def _aliases(node: fx.Node) -> set[fx.Node]:
     return found
 
 
+def _taken_apart(wait: fx.Node) -> set[fx.Node]:
+    """What only takes `wait`'s result apart: its views (a bucket's split into its tensors,
+    which read no data), and a gathered bucket's copy into its tensors
+    (`piper::unpack_bucket`, which reads the result alone) with the items of that."""
+    found = _aliases(wait)
+    for node in (wait, *found):
+        for user in list(node.users):
+            if user.target is UNPACK_BUCKET:
+                found |= {user} | _aliases(user)
+    return found
+
+
 def _sink_waits(graph: fx.Graph) -> None:
-    """Move each wait, with the views of its result (which read no data: a bucket's split
-    into its tensors), to right before the first op that reads the result, or the output.
-    Only later: every input of a moved node stays before it, and every user of one is a
-    moved node (kept in order) or at or after that first reader."""
+    """Move each wait, with what takes its result apart (`_taken_apart`), to right before the
+    first op that reads the result, or the output. Only later: every input of a moved node
+    stays before it, and every user of one is a moved node (kept in order) or at or after
+    that first reader."""
     output = graph.find_nodes(op="output")[0]
     for wait in list(graph.find_nodes(op="call_function", target=WAIT)):
         order = {n: i for i, n in enumerate(graph.nodes)}
-        views = _aliases(wait)
-        readers = {user for node in (wait, *views) for user in node.users} - views
+        moved = _taken_apart(wait)
+        readers = {user for node in (wait, *moved) for user in node.users} - moved
         first_reader = min(readers, key=order.__getitem__, default=output)
-        for node in sorted((wait, *views), key=order.__getitem__):
+        for node in sorted((wait, *moved), key=order.__getitem__):
             first_reader.prepend(node)
 
 
