@@ -110,7 +110,8 @@ class RankPool:
                 deadline = record(answer)
         finally:
             if len(outcomes) < self.world_size or any("error" in o for o in outcomes.values()):
-                self.close()
+                # A rank that has not answered is stuck (or dead): it would not take the pool's end.
+                self.close(unanswered=set(range(self.world_size)) - set(outcomes))
         return [outcomes[r] for r in range(self.world_size)]
 
     def _stacks(self, ranks: list[int]) -> str:
@@ -124,7 +125,11 @@ class RankPool:
                 dumps.append(f"rank {rank}:\n{f.read()}")
         return "\n".join(dumps)
 
-    def close(self) -> None:
+    def close(self, unanswered: set[int] = frozenset()) -> None:
+        """End the ranks: those in `unanswered` at once, the others when they take the pool's end
+        (within 10 s)."""
+        for rank in unanswered:
+            self._procs[rank].kill()
         for tasks in self._tasks if self._procs else ():
             tasks.put(None)
         for proc in self._procs:
