@@ -202,9 +202,11 @@ def _merge(graph: fx.Graph, bucket: list[fx.Node], fn: Callable, trace_args: Cal
             env[node] = copy
             new_nodes.append(copy)
     users = [user for wait in waits for user in wait.users]
+    relaid = {output for wait, output in zip(waits, outputs)
+              if "val" not in wait.meta or _layout(output.meta["val"]) != _layout(wait.meta["val"])}
     for wait, output in zip(waits, outputs):
         wait.replace_all_uses_with(output)
-    _repair(users)
+    _repair(users, relaid)
     for collective, wait in zip(bucket, waits):
         graph.erase_node(wait)
         graph.erase_node(collective)
@@ -224,14 +226,16 @@ def _storages(value: Any) -> list[int]:
     return [storage_key(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _repair(users: list[fx.Node]) -> None:
+def _repair(users: list[fx.Node], relaid: set[fx.Node]) -> None:
     """Recompute the values of `users` (of a bucket's outputs), and in turn of theirs, where they
     change: a bucket's view of a value may have other strides than the value it replaces
-    (Inductor's `_recompute_changed_user_metadata`, the values detached), and a view's value
-    is a view of its input's (its storage), which the bucket made anew: what a task holds is
-    counted by storage (`runtime.memory.task_peak`), and a view left on the storage of the
-    value it read before counted that storage once more. As there, a node whose op does not
-    run on its inputs' values keeps its value."""
+    (`relaid`: those bucket outputs; Inductor's `_recompute_changed_user_metadata`, the values
+    detached), and a view's value is a view of its input's (its storage), which the bucket made
+    anew: what a task holds is counted by storage (`runtime.memory.task_peak`), and a view left
+    on the storage of the value it read before counted that storage once more. An op that is no
+    view, on inputs laid out as before, makes what it made (on a storage of its own): it is not
+    run again (at 4 layers under ZeRO-3, 0.2 s a rank). As there, a node whose op does not run
+    on its inputs' values keeps its value."""
     work, queued = collections.deque(users), set(users)
     while work:
         node = work.popleft()
@@ -239,14 +243,18 @@ def _repair(users: list[fx.Node]) -> None:
         if node.op != "call_function" or "val" not in node.meta \
                 or not all("val" in n.meta for n in node.all_input_nodes):
             continue
+        alias = is_alias(node)
+        if not alias and relaid.isdisjoint(node.all_input_nodes):
+            continue
         args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
         try:
             with detect_fake_mode([n.meta["val"] for n in node.all_input_nodes]) or contextlib.nullcontext():
                 value = _detached(node.target(*args, **kwargs))
         except Exception:  # noqa: BLE001 - best effort, as Inductor's repair
             continue
-        if _layout(value) == _layout(node.meta["val"]) and \
-                not (is_alias(node) and _storages(value) != _storages(node.meta["val"])):
+        if _layout(value) != _layout(node.meta["val"]):
+            relaid.add(node)
+        elif not (alias and _storages(value) != _storages(node.meta["val"])):
             continue
         node.meta["val"] = value
         for user in node.users:
