@@ -234,8 +234,7 @@ def _repair(users: list[fx.Node], relaid: set[fx.Node]) -> None:
     anew: what a task holds is counted by storage (`runtime.memory.task_peak`), and a view left
     on the storage of the value it read before counted that storage once more. An op that is no
     view, on inputs laid out as before, makes what it made (on a storage of its own): it is not
-    run again (at 4 layers under ZeRO-3, 0.2 s a rank). As there, a node whose op does not run
-    on its inputs' values keeps its value."""
+    run again. As there, a node whose op does not run on its inputs' values keeps its value."""
     work, queued = collections.deque(users), set(users)
     while work:
         node = work.popleft()
