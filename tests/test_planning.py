@@ -285,15 +285,17 @@ def _views_off_their_input(options: dict) -> list[str]:
             and not storages(node.meta.get("val")) <= storages(node.all_input_nodes[0].meta.get("val"))]
 
 
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_every_view_a_planned_task_makes_is_on_the_storage_it_reads(zero):
     """A bucket's merge gives the readers of its outputs new values where their layout changed
-    (`bucket_collectives._repair`); a view's value must also follow its input's storage, which the
-    bucket made anew: one left on the storage of the value it read before counted that storage
-    again in the task's memory (2.9% over the allocator's peak at ZeRO-3 once a gathered
+    (`collectives.emit.repair_values`); a view's value must also follow its input's storage,
+    which the bucket made anew: one left on the storage of the value it read before counted that
+    storage again in the task's memory (2.9% over the allocator's peak at ZeRO-3 once a gathered
     bucket was copied out by one op; over 200 views off their storage before, on two ranks).
-    (ZeRO-1/2's parameters, gathered in the prologue, reach the forward's and backward's tasks
-    as inputs, whose views there are still on other storages: not yet checked.)"""
+    So must the readers of a lowered collective (ZeRO-1/2's parameters, gathered in the
+    prologue, reached the forward's and backward's tasks with 36 views of them on the storages
+    of the parameters before they were sharded) and the views inside a lowering (ZeRO-1's
+    slice of its padded gradient was on a storage of its own, 6 of them)."""
     with processes().Pool(1) as pool:  # the fake group must not leak into other tests
         assert pool.apply(_views_off_their_input, ({"zero": zero, "codegen": "eager"},)) == []
 

@@ -3,10 +3,12 @@
 The strategy passes describe what a collective computes in
 `collectives.lowering` (plain PyTorch with functional collectives); this
 traces such a function on the fake values of its input nodes and inserts the
-resulting ops, with their `val` metadata, into the graph being transformed.
+resulting ops, with their `val` metadata, into the graph being transformed;
+`replace_uses` gives a node's readers another node and their values with it.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import weakref
@@ -16,7 +18,9 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..ops import CONVERT, LAYER
+from ..compat import detect_fake_mode, tree_leaves, tree_map_only
+from ..ops import CONVERT, LAYER, is_alias
+from ..runtime.memory import storage_key
 
 # Metadata copied from the node a splice replaces, so regions and annotations survive (the
 # model's `torch.utils.checkpoint` tags, `recompute` and `ac_graph_id`, among them).
@@ -52,14 +56,22 @@ def _trace(graph: fx.Graph, fn: Callable[..., torch.Tensor], fake_inputs: list,
     return traced
 
 
-def _fresh(val):
-    """A new fake tensor like `val`: splices of one cached trace must not share
-    values, or passes that trace them again (Inductor's bucketing) would see
-    one tensor where there are two."""
-    if not hasattr(val, "fake_mode"):
-        return val
-    with val.fake_mode:
-        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+def _value(new: fx.Node, traced: fx.Node, fake_mode) -> Any:
+    """The value of `new`, a splice's copy of the trace's node `traced`: its op run on its
+    inputs' values, so each splice of one cached trace has values of its own (passes that
+    trace them again, such as Inductor's bucketing, would see one tensor where there are
+    two) and a view's value is on its input's storage (what a task holds is counted by
+    storage, `runtime.memory.task_peak`). Where the op does not run on values, a new fake
+    tensor like the trace's."""
+    try:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            return run_on_values(new)
+    except Exception:  # noqa: BLE001 - best effort: the trace's value, anew
+        val = traced.meta.get("val")
+        if not hasattr(val, "fake_mode"):
+            return val
+        with val.fake_mode:
+            return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
 
 
 def insert_traced(
@@ -79,6 +91,7 @@ def insert_traced(
     """
     fake_inputs = [n.meta["val"] for n in inputs]
     traced = _trace(graph, fn, fake_inputs, decompositions)
+    fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
     env: dict[fx.Node, fx.Node] = {}
     remaining = iter(inputs)
     result = None
@@ -90,7 +103,7 @@ def insert_traced(
                 result = env[node.args[0]]
             else:
                 new = graph.node_copy(node, lambda n: env[n])
-                new.meta["val"] = _fresh(node.meta.get("val"))
+                new.meta["val"] = _value(new, node, fake_mode)
                 if like is not None:
                     for key in INHERITED_META:
                         if key in like.meta:
@@ -124,3 +137,76 @@ def cast(graph: fx.Graph, value: fx.Node, dtype: torch.dtype, *, before: fx.Node
     """Insert, before `before`, `value` converted to `dtype` (`prims.convert_element_type`, which
     every codegen runs); return it. It inherits `like`'s annotations and takes `meta`."""
     return insert_call(graph, CONVERT, (value, dtype), before=before, like=like, meta=meta)
+
+
+def layout(arg: Any) -> Any:
+    """What a trace (or a value's metadata) depends on of `arg`: a tensor's shape, strides,
+    offset, dtype and device; a list's or tuple's of each item; anything else itself."""
+    if isinstance(arg, torch.Tensor):
+        return "T", tuple(arg.shape), arg.stride(), arg.storage_offset(), arg.dtype, arg.device
+    if isinstance(arg, (list, tuple)):
+        return type(arg).__name__, tuple(layout(a) for a in arg)
+    return arg
+
+
+def detached(value: Any) -> Any:
+    """`value` as make_fx records values: each tensor detached, so a view's value is no view
+    (the plan cache pickles values that are not views by their layout: `compat.pickle_graphs`)
+    and still shares its base's storage."""
+    return tree_map_only(torch.Tensor, torch.Tensor.detach, value)
+
+
+def run_on_values(node: fx.Node) -> Any:
+    """`node`'s op run on its inputs' values (`meta["val"]`), recorded as make_fx records
+    values (`detached`), in whatever fake mode the caller entered."""
+    args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    return detached(node.target(*args, **kwargs))
+
+
+def _storages(value: Any) -> list[int]:
+    return [storage_key(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def repair_values(users: list[fx.Node], relaid: set[fx.Node]) -> None:
+    """Recompute the values of `users` (of nodes given new values), and in turn of theirs, where
+    they change: a new value may have other strides than the one it replaces (`relaid`: those
+    nodes; Inductor's `_recompute_changed_user_metadata`, the values detached), and a view's
+    value is a view of its input's (its storage), which may be new: what a task holds is
+    counted by storage (`runtime.memory.task_peak`), and a view left on the storage of the
+    value it read before counted that storage once more. An op that is no view, on inputs laid
+    out as before, makes what it made (on a storage of its own): it is not run again. As
+    there, a node whose op does not run on its inputs' values keeps its value."""
+    work, queued = collections.deque(users), set(users)
+    while work:
+        node = work.popleft()
+        queued.discard(node)
+        if node.op != "call_function" or "val" not in node.meta \
+                or not all("val" in n.meta for n in node.all_input_nodes):
+            continue
+        alias = is_alias(node)
+        if not alias and relaid.isdisjoint(node.all_input_nodes):
+            continue
+        try:
+            with detect_fake_mode([n.meta["val"] for n in node.all_input_nodes]) or contextlib.nullcontext():
+                value = run_on_values(node)
+        except Exception:  # noqa: BLE001 - best effort, as Inductor's repair
+            continue
+        if layout(value) != layout(node.meta["val"]):
+            relaid.add(node)
+        elif not (alias and _storages(value) != _storages(node.meta["val"])):
+            continue
+        node.meta["val"] = value
+        for user in node.users:
+            if user not in queued:
+                queued.add(user)
+                work.append(user)
+
+
+def replace_uses(old: fx.Node, new: fx.Node) -> None:
+    """Make every reader of `old` read `new`, and their values follow (`repair_values`): a
+    view of it becomes a view of `new`'s value, on its storage, and an op on it is
+    recomputed where `new`'s value is laid out otherwise than `old`'s."""
+    users = list(old.users)
+    same = "val" in old.meta and "val" in new.meta and layout(old.meta["val"]) == layout(new.meta["val"])
+    old.replace_all_uses_with(new)
+    repair_values(users, set() if same else {new})

@@ -35,21 +35,19 @@ each one more C++ build in a cold compile.
 """
 from __future__ import annotations
 
-import collections
-import contextlib
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
 from ..collectives.buckets import FLAT_BUCKET, GATHER_BUCKET, UNPACK_BUCKET
+from ..collectives.emit import layout, repair_values, run_on_values
 from ..compat import (bucketing, detect_fake_mode, sort_bucket_region, stable_topological_sort, takes_cast,
-                      trace_bucket, tracing, tree_leaves, tree_map_only)
+                      trace_bucket, tracing)
 from ..ir import BACKWARD_KINDS, TrainingDAG
-from ..ops import ALL_REDUCE, REDUCE_SCATTER, UNIT, WAIT, is_alias, is_wait
+from ..ops import ALL_REDUCE, REDUCE_SCATTER, UNIT, WAIT, is_wait
 from ..options import Strategy
-from ..runtime.memory import storage_key
 
 
 def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float, traces: _Traces) -> None:
@@ -144,23 +142,13 @@ class _Traces:
         self._graphs: dict[tuple, fx.GraphModule] = {}
 
     def get(self, fn: Callable, args: tuple) -> fx.GraphModule:
-        key = (fn, tuple(_layout(a) for a in args))
+        key = (fn, tuple(layout(a) for a in args))
         if key not in self._graphs:
             self._graphs[key] = trace_bucket(fn, args)
         return self._graphs[key]
 
     def __len__(self) -> int:
         return len(self._graphs)
-
-
-def _layout(arg: Any) -> Any:
-    """What a trace (or a value's metadata) depends on of `arg`: a tensor's shape, strides,
-    offset, dtype and device; a list's or tuple's of each item; anything else itself."""
-    if isinstance(arg, torch.Tensor):
-        return "T", tuple(arg.shape), arg.stride(), arg.storage_offset(), arg.dtype, arg.device
-    if isinstance(arg, (list, tuple)):
-        return type(arg).__name__, tuple(_layout(a) for a in arg)
-    return arg
 
 
 _BUCKET_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "custom")
@@ -197,69 +185,21 @@ def _merge(graph: fx.Graph, bucket: list[fx.Node], fn: Callable, trace_args: Cal
                 outputs = [env[n] for n in node.args[0]]
                 continue
             copy = graph.node_copy(node, env.__getitem__)
-            args, kwargs = fx.map_arg((copy.args, copy.kwargs), lambda n: n.meta["val"])
-            copy.meta = {**meta, "val": _detached(copy.target(*args, **kwargs))}
+            copy.meta = {**meta, "val": run_on_values(copy)}
             env[node] = copy
             new_nodes.append(copy)
     users = [user for wait in waits for user in wait.users]
     relaid = {output for wait, output in zip(waits, outputs)
-              if "val" not in wait.meta or _layout(output.meta["val"]) != _layout(wait.meta["val"])}
+              if "val" not in wait.meta or layout(output.meta["val"]) != layout(wait.meta["val"])}
     for wait, output in zip(waits, outputs):
         wait.replace_all_uses_with(output)
-    _repair(users, relaid)
+    repair_values(users, relaid)
     for collective, wait in zip(bucket, waits):
         graph.erase_node(wait)
         graph.erase_node(collective)
     for cast in reversed(casts):
         graph.erase_node(cast)
     sort_bucket_region(graph, new_nodes, inputs)
-
-
-def _detached(value: Any) -> Any:
-    """`value` as make_fx records values: each tensor detached, so a view's value is no view
-    (the plan cache pickles values that are not views by their layout: `compat.pickle_graphs`)
-    and still shares its base's storage."""
-    return tree_map_only(torch.Tensor, torch.Tensor.detach, value)
-
-
-def _storages(value: Any) -> list[int]:
-    return [storage_key(t) for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
-
-
-def _repair(users: list[fx.Node], relaid: set[fx.Node]) -> None:
-    """Recompute the values of `users` (of a bucket's outputs), and in turn of theirs, where they
-    change: a bucket's view of a value may have other strides than the value it replaces
-    (`relaid`: those bucket outputs; Inductor's `_recompute_changed_user_metadata`, the values
-    detached), and a view's value is a view of its input's (its storage), which the bucket made
-    anew: what a task holds is counted by storage (`runtime.memory.task_peak`), and a view left
-    on the storage of the value it read before counted that storage once more. An op that is no
-    view, on inputs laid out as before, makes what it made (on a storage of its own): it is not
-    run again. As there, a node whose op does not run on its inputs' values keeps its value."""
-    work, queued = collections.deque(users), set(users)
-    while work:
-        node = work.popleft()
-        queued.discard(node)
-        if node.op != "call_function" or "val" not in node.meta \
-                or not all("val" in n.meta for n in node.all_input_nodes):
-            continue
-        alias = is_alias(node)
-        if not alias and relaid.isdisjoint(node.all_input_nodes):
-            continue
-        args, kwargs = fx.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-        try:
-            with detect_fake_mode([n.meta["val"] for n in node.all_input_nodes]) or contextlib.nullcontext():
-                value = _detached(node.target(*args, **kwargs))
-        except Exception:  # noqa: BLE001 - best effort, as Inductor's repair
-            continue
-        if _layout(value) != _layout(node.meta["val"]):
-            relaid.add(node)
-        elif not (alias and _storages(value) != _storages(node.meta["val"])):
-            continue
-        node.meta["val"] = value
-        for user in node.users:
-            if user not in queued:
-                queued.add(user)
-                work.append(user)
 
 
 def _gather_bucket(inputs: list, group_name: str, group_size: int, dtype: torch.dtype) -> list:

@@ -7,7 +7,9 @@ themselves.
 Guarantees: no marker remains; each was replaced, in place, by the code of its
 row in `collectives.redistribute.LOWERINGS` (an all-gather, reduce-scatter,
 all-reduce or all-to-all of functional collectives, or a local slice),
-carrying the marker's annotations and notes (phase, unit, what it moves); a
+carrying the marker's annotations and notes (phase, unit, what it moves), its
+readers' values following the collective's (a view of a gathered parameter is on
+the gathered parameter's storage, wherever the task split puts the gather); a
 change over the dp group leaves its target placement on its result (`ops.PLACED`),
 for `propagate_placements`. A
 change with no row is a `PiperError` naming the marker and the change. So
@@ -16,7 +18,7 @@ which collective runs, and over which group, follows from the placements alone.
 from __future__ import annotations
 
 from ..decompositions import decompositions_for
-from ..collectives.emit import insert_traced
+from ..collectives.emit import insert_traced, replace_uses
 from ..collectives.redistribute import Redistribution, is_redistribution, lowering_of
 from ..errors import PiperError
 from ..ir import TrainingDAG
@@ -44,7 +46,7 @@ def lower_redistributions(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
                                 meta=notes, decompositions=decompositions)
         if change.group_name == dag.dp_group:  # the placements the dumps show are over dp
             lowered.meta[PLACED] = change.dst
-        marker.replace_all_uses_with(lowered)
+        replace_uses(marker, lowered)
         graph.erase_node(marker)
     graph.lint()
     dag.joint.recompile()
