@@ -293,9 +293,9 @@ def test_every_view_a_planned_task_makes_is_on_the_storage_it_reads(zero):
     storage again in the task's memory (2.9% over the allocator's peak at ZeRO-3 once a gathered
     bucket was copied out by one op; over 200 views off their storage before, on two ranks).
     So must the readers of a lowered collective (ZeRO-1/2's parameters, gathered in the
-    prologue, reached the forward's and backward's tasks with 36 views of them on the storages
-    of the parameters before they were sharded) and the views inside a lowering (ZeRO-1's
-    slice of its padded gradient was on a storage of its own, 6 of them)."""
+    prologue, reached the forward's and backward's tasks with 36 views of them on other
+    storages) and the views inside a lowering (ZeRO-1's slice of its padded gradient was on a
+    storage of its own, 6 of them)."""
     with processes().Pool(1) as pool:  # the fake group must not leak into other tests
         assert pool.apply(_views_off_their_input, ({"zero": zero, "codegen": "eager"},)) == []
 

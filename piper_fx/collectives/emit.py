@@ -71,8 +71,8 @@ def _value(new: fx.Node, traced: fx.Node, fake_mode) -> Any:
     cached trace has values of its own: passes that trace them again (Inductor's bucketing)
     would see one tensor where there are two. A view's is its op run on its input's value,
     on that storage (what a task holds is counted by storage, `runtime.memory.task_peak`);
-    any other op's, a new fake tensor like the trace's (running every op on values made
-    lowering a ZeRO-1 GPT of 12 layers take twice as long)."""
+    any other op's, a new fake tensor like the trace's (running every op on values took
+    `lower_redistributions` of a ZeRO-1 GPT of 12 layers from 1.6 to 3.9 s under cProfile)."""
     if is_alias(new):
         try:
             with fake_mode if fake_mode is not None else contextlib.nullcontext():
@@ -182,8 +182,8 @@ def repair_values(users: list[fx.Node], relaid: set[fx.Node]) -> None:
     value is a view of its input's (its storage), which may be new: what a task holds is
     counted by storage (`runtime.memory.task_peak`), and a view left on the storage of the
     value it read before counted that storage once more. An op that is no view, on inputs laid
-    out as before, makes what it made (on a storage of its own): it is not run again. As
-    there, a node whose op does not run on its inputs' values keeps its value."""
+    out as before, makes what it made (on a storage of its own): it is not run again. As in
+    Inductor's, a node whose op does not run on its inputs' values keeps its value."""
     work, queued = collections.deque(users), set(users)
     while work:
         node = work.popleft()
