@@ -34,13 +34,18 @@ INHERITED_META = ("custom", "nn_module_stack", "seq_nr", "partitioner_tag", "sta
 _TRACED: weakref.WeakKeyDictionary[fx.Graph, dict[tuple, fx.GraphModule]] = weakref.WeakKeyDictionary()
 
 
+def _fake_mode_of(values: list) -> Any:
+    """The fake mode of the first of `values` that has one (the graph's own), or None."""
+    return next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
+
+
 def _trace(graph: fx.Graph, fn: Callable[..., torch.Tensor], fake_inputs: list,
            decompositions: dict | None) -> fx.GraphModule:
     """`fn` traced on inputs like `fake_inputs`; cached per graph, since a model
     has many parameters of few shapes and each collective lowering is the same code."""
     # Trace inside the graph's own fake mode, so tensors the function creates
     # (padding) are fake values of the same mode as their neighbours.
-    fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
+    fake_mode = _fake_mode_of(fake_inputs)
     traced_for_graph = _TRACED.setdefault(graph, {})
     key = None
     if isinstance(fn, functools.partial):
@@ -99,7 +104,7 @@ def insert_traced(
     """
     fake_inputs = [n.meta["val"] for n in inputs]
     traced = _trace(graph, fn, fake_inputs, decompositions)
-    fake_mode = next((v.fake_mode for v in fake_inputs if hasattr(v, "fake_mode")), None)
+    fake_mode = _fake_mode_of(fake_inputs)
     env: dict[fx.Node, fx.Node] = {}
     remaining = iter(inputs)
     result = None
@@ -130,7 +135,7 @@ def insert_call(graph: fx.Graph, target: Callable, args: tuple, *, before: fx.No
     with graph.inserting_before(before):
         node = graph.call_function(target, args)
     vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
-    fake = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
+    fake = _fake_mode_of(vals)
     with fake if fake is not None else contextlib.nullcontext():
         node.meta["val"] = target(*vals)
     for key in INHERITED_META:
