@@ -94,6 +94,7 @@ def test_arguments_unlike_the_compiled_ones_are_rejected_before_the_step_runs():
         guards = outcomes["spec_guards"]
         assert guards["frames"] >= 1 and guards["dtensor_parameters"] > 0, guards
         assert guards["placeholder_guards"] > 0, guards
+        assert guards["placeholder_contains_guards"] == 0, guards  # a read does not ask (`read_through`)
         assert guards["guards"] == 0, guards
         assert "is on device meta, but this step was compiled for cpu" in rejected["device"]["message"]
         assert "has shape (1, 9), but this step was compiled for (2, 9)" in rejected["shape"]["message"]

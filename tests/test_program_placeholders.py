@@ -29,7 +29,8 @@ def test_placeholders_stand_for_the_parameters_and_follow_what_becomes_of_them()
             assert result["frozen_grad_is_none"] and result["others_have_grads"], (where, result)
             assert result["copy_stands_for_copy"], (where, result)
             assert result["gradients_at_offsets"] and not result["copy_with_gradients_differs"], (where, result)
-            assert result["registered_anew_dropped"], (where, result)
+            assert result["registered_anew_dropped"] and result["registered_anew_read"], (where, result)
+            assert result["original_reads_through"], (where, result)
             other = result["other_backend"]
             assert other["type"] is not None, (where, other)
             assert re.search(r"piper_fx: parameter \S+ got its gradient through the plain placeholder",

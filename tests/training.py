@@ -1483,7 +1483,8 @@ def _parameter_spec_guards(model) -> dict:
     """Of Dynamo's guards on `model`'s compiled forward: how many read a registered parameter
     (a DTensor, whose program placeholder Dynamo should see instead; guards that an absent
     one, e.g. a bias, is None aside) or a DTensor spec or mesh, how many read a program
-    placeholder, and how many parameters are DTensors."""
+    placeholder, how many of those ask whether a module holds one (each checked at every
+    call), and how many parameters are DTensors."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     entries = _debug_get_cache_entry_list(type(model).forward.__code__)
@@ -1492,6 +1493,8 @@ def _parameter_spec_guards(model) -> dict:
                or "._spec" in line or ".device_mesh" in line]
     return {"frames": len(entries), "guards": len(dtensor), "examples": dtensor[:3],
             "placeholder_guards": sum("_piper_program_placeholders" in line for line in lines),
+            "placeholder_contains_guards": sum("_piper_program_placeholders" in line and "CONTAINS" in line
+                                               for line in lines),
             "dtensor_parameters": sum(isinstance(p, DTensor) for p in model.parameters())}
 
 
@@ -1673,9 +1676,13 @@ def program_placeholders_worker(rank: int, world: int) -> dict:
         twin_placeholders = getattr(twin.wte, _PLACEHOLDERS)
         result["copy_stands_for_copy"] = stood_for(twin_placeholders["weight"]) is twin.wte._parameters["weight"]
         result["copy_tied_share_one"] = getattr(twin.lm_head, _PLACEHOLDERS)["weight"] is twin_placeholders["weight"]
-        # A parameter registered anew drops its placeholder: reads give the new one.
+        # A parameter registered anew drops its placeholder and the property reading it: reads
+        # give the new one. The original's module, whose class the copy's shared, still reads its own.
         twin.ln_f.bias = torch.nn.Parameter(twin.ln_f._parameters["bias"].detach().clone())
         result["registered_anew_dropped"] = "bias" not in getattr(twin.ln_f, _PLACEHOLDERS)
+        result["registered_anew_read"] = twin.ln_f.bias is twin.ln_f._parameters["bias"]
+        result["original_reads_through"] = "bias" in type(model.ln_f).__dict__ and \
+            "bias" in getattr(model.ln_f, _PLACEHOLDERS) and "bias" not in type(twin.ln_f).__dict__
         # Another backend traces the placeholders: its backward must not train them in silence.
         other = torch.compile(model, backend="aot_eager")
         result["other_backend"] = outcome_of(*_call_timed(lambda: other(x, y).backward()))

@@ -83,9 +83,9 @@ def read_through(module: nn.Module, name: str, placeholder: nn.Parameter,
     `__class__` is swapped once). The module keeps its placeholders in a plain dict, which
     Dynamo traces as a module's own attribute (a dict subclass, traced as a user object,
     made its trace slower than the DTensors' had been). A parameter registered anew
-    under `name` (e.g. `load_state_dict(..., assign=True)`) drops its placeholder: the new
-    one is read itself. A copy of the module (`copy.deepcopy`) gets the placeholders of its
-    own parameters, not copies of the original's.
+    under `name` (e.g. `load_state_dict(..., assign=True)`) drops its placeholder and the
+    property (`_register_parameter`): the new one is read itself. A copy of the module
+    (`copy.deepcopy`) gets the placeholders of its own parameters, not copies of the original's.
 
     The property's getter is written for its name and read (`_getter`): Dynamo guards a
     getter it traces by its code, and by every closure cell it reads, a dozen guards a
@@ -157,12 +157,16 @@ def _forward_gathering(self, *args, **kwargs):
 
 # `read_through`'s getters, by their source: written as dataclasses write their methods, their
 # name, op, shape and group constants of their code, which reads nothing else but this module's
-# globals. `_piper_program_placeholders` is `_PLACEHOLDERS`, spelled out for Dynamo to trace. A
-# parameter registered anew under the name (its placeholder dropped) is read as it is.
+# globals. `_piper_program_placeholders` is `_PLACEHOLDERS`, spelled out for Dynamo to trace.
+# The property goes with its placeholder (`_register_parameter`), so a compiled read does not
+# ask whether the placeholder is there: Dynamo traced `name in dict` into a guard checked at
+# every call, one a parameter (29 of a GPT's 671 lines of guards), and Dynamo's trace of a GPT
+# of 12 blocks took 1.47 s (ZeRO-0) and 2.53 s (ZeRO-3), medians, against 1.34 and 2.34 without.
+# An eager read still asks, at no cost worth naming.
 _GETTER_SOURCE = """def get(self):
+    if torch.compiler.is_compiling():
+        return {compiled}
     if {name!r} in self._piper_program_placeholders:
-        if torch.compiler.is_compiling():
-            return {compiled}
         return {eager}
     return self._parameters[{name!r}]
 """
@@ -190,7 +194,12 @@ def _getter(name: str, gather: tuple[torch._ops.OpOverload, list[int], str] | No
 
 
 def _register_parameter(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    self.__dict__[_PLACEHOLDERS].pop(name, None)
+    """A parameter registered anew under `name` is read as it is: its placeholder dropped, and
+    the property reading it, from a class of this module's own (copies share the class)."""
+    if self.__dict__[_PLACEHOLDERS].pop(name, None) is not None and name in type(self).__dict__:
+        cls = type(self)
+        kept = {key: value for key, value in cls.__dict__.items() if key not in (name, "__dict__", "__weakref__")}
+        self.__class__ = type(cls.__name__, cls.__bases__, kept)
     type(self).__mro__[1].register_parameter(self, name, param)  # the module's own class
 
 
