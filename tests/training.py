@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.backends.registry import _lazy_import as _import_dynamo_backends
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import piper_fx
@@ -18,6 +19,12 @@ from examples.gpt import GPT, GPTConfig
 from piper_fx.compat import local_tensor
 from piper_fx.sharding.dtensor_params import stood_for
 from piper_fx.sharding.holdings import is_stored
+
+# Every Dynamo backend's module imported once, here, in the server every test process is forked
+# from (`ranks.PRELOADED`): a process then never lists and imports them itself, as Dynamo does at
+# its first compile (`registry._lazy_import`, cached per process). Once, in CI, a forked rank's
+# import found no module for a file that listing had named (`torch._dynamo.backends.distributed`).
+_import_dynamo_backends()
 
 # Odd sizes on purpose: vocab 37 and block 9 rows do not divide by 2 or 4 ranks.
 SMALL = dict(vocab_size=37, block_size=9, n_layer=2, n_head=2, n_embd=16)
