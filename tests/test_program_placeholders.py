@@ -31,6 +31,11 @@ def test_placeholders_stand_for_the_parameters_and_follow_what_becomes_of_them()
             assert result["gradients_at_offsets"] and not result["copy_with_gradients_differs"], (where, result)
             assert result["registered_anew_dropped"] and result["registered_anew_read"], (where, result)
             assert result["original_reads_through"], (where, result)
+            # Dynamo's guards ask neither whether a module holds a placeholder nor for a class's
+            # forward through its MRO: each would be a check per parameter or module at every call.
+            guards = result["guards"]
+            assert guards["placeholder_guards"] > 0 and guards["guards"] == 0, (where, guards)
+            assert guards["placeholder_contains_guards"] == 0 and guards["mro_guards"] == 0, (where, guards)
             other = result["other_backend"]
             assert other["type"] is not None, (where, other)
             assert re.search(r"piper_fx: parameter \S+ got its gradient through the plain placeholder",

@@ -1491,7 +1491,9 @@ def _parameter_spec_guards(model) -> dict:
     (a DTensor, whose program placeholder Dynamo should see instead; guards that an absent
     one, e.g. a bias, is None aside) or a DTensor spec or mesh, how many read a program
     placeholder, how many of those ask whether a module holds one (each checked at every
-    call), and how many parameters are DTensors."""
+    call), how many look a class's forward up through its type's MRO (ZeRO-3's gathering
+    forward, `read_through.gathers_in_eager_forward`, calls its own), and how many parameters
+    are DTensors."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     entries = _debug_get_cache_entry_list(type(model).forward.__code__)
@@ -1502,6 +1504,7 @@ def _parameter_spec_guards(model) -> dict:
             "placeholder_guards": sum("_piper_program_placeholders" in line for line in lines),
             "placeholder_contains_guards": sum("_piper_program_placeholders" in line and "CONTAINS" in line
                                                for line in lines),
+            "mro_guards": sum("__mro__" in line for line in lines),
             "dtensor_parameters": sum(isinstance(p, DTensor) for p in model.parameters())}
 
 
@@ -1654,7 +1657,7 @@ def program_placeholders_worker(rank: int, world: int) -> dict:
         x, y = global_batch(0, 2 * world, cfg)
         x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         step(x, y).backward()
-        result = {}
+        result = {"guards": _parameter_spec_guards(model)}
         # A deep copy (an EMA copy) while the parameters hold the step's gradients, views into
         # their reduction's flat bucket: torch's `Tensor.__deepcopy__` failed on such DTensors.
         result["gradients_at_offsets"] = any(local(p.grad).storage_offset() for p in model.parameters())
