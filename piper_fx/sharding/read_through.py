@@ -132,12 +132,12 @@ def gathers_in_eager_forward(module: nn.Module) -> None:
 
     The forward is a copy of `_forward_gathering` for this module's class (no closure, so
     Dynamo guards its code alone), signed as the class's own forward (`inspect.signature`,
-    which Hugging Face's `generate` reads to choose the arguments it passes), which it calls (the
-    class's forward when `prepare` ran):
-    a keyword-only default of its own, whose code Dynamo guards (one check), where finding it
-    through `type(self).__mro__` at each call was four checks (the MRO's type and length, the
-    base class, its forward's code) for every module a forward runs (a GPT of 2 blocks under
-    ZeRO-3: 737 lines of guards, against 793)."""
+    which Hugging Face's `generate` reads to choose the arguments it passes). It calls the
+    class's forward (as it was when `prepare` ran) through a keyword-only default of its own,
+    whose code Dynamo guards (one check), where finding it through `type(self).__mro__` at
+    each call was four checks (the MRO's type and length, the base class, its forward's code)
+    for every module a forward runs (a GPT of 2 blocks under ZeRO-3: 737 lines of guards,
+    against 793)."""
     cls = _own_class(module)
     if "forward" in cls.__dict__:
         return
