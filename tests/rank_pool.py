@@ -6,7 +6,9 @@ each process the work a first compile does once: Inductor's probe of the CPU,
 loading its libraries). Every run has a hard deadline: a pool whose ranks do not
 all answer in time, or where a rank failed (its peers may be left in a broken
 collective), is torn down, and the next run starts a fresh one; the ranks that missed the
-deadline say where they were (every thread's Python stack).
+deadline say where they were (every thread's Python stack), and a rank that crashed says where it
+crashed (faulthandler's report: the signal and every thread's stack), in the run's error itself: a
+rank's stderr may be cut from a long log.
 """
 from __future__ import annotations
 
@@ -32,10 +34,12 @@ def _stacks_file(init_file: str, rank: int) -> str:
 
 def _serve(rank, world_size, init_file, tasks, results, collective_timeout_s):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    # A rank that misses its deadline is asked for its threads' stacks (SIGUSR1) before it is killed.
+    # A rank that misses its deadline is asked for its threads' stacks (SIGUSR1) before it is killed;
+    # one that crashes writes them there too, with the signal (a C library's own message, such as
+    # glibc's on a corrupted heap, still goes to stderr).
     stacks = open(_stacks_file(init_file, rank), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    faulthandler.enable(all_threads=True)  # and a rank that crashes prints them (to the test's stderr)
+    faulthandler.enable(file=stacks, all_threads=True)
     torch.set_num_threads(1)  # up to 4 ranks share 2 cores
     torch._dynamo.config.fail_on_recompile_limit_hit = True  # not a silent eager run (conftest)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -102,7 +106,7 @@ class RankPool:
                             deadline = record(answer)
                             continue
                         raise AssertionError(f"rank {dead[0]} exited with code {self._procs[dead[0]].exitcode} "
-                                             "without answering (its stderr, above, says why)") from None
+                                             f"without answering; {self._crash(dead[0])}") from None
                     if time.monotonic() > deadline:
                         raise AssertionError(f"ranks {missing} did not finish within {deadline_s}s; where they "
                                              f"were:\n{self._stacks(missing)}") from None
@@ -124,6 +128,15 @@ class RankPool:
             with open(_stacks_file(self._init_file, rank)) as f:
                 dumps.append(f"rank {rank}:\n{f.read()}")
         return "\n".join(dumps)
+
+    def _crash(self, rank: int) -> str:
+        """What faulthandler wrote of `rank`'s crash, without its list of the process's extension
+        modules (hundreds of compiled kernels' names), or where else to look."""
+        with open(_stacks_file(self._init_file, rank)) as f:
+            report = [line for line in f.read().splitlines() if not line.startswith("Extension modules:")]
+        if not report:
+            return "its stderr, above, says why"
+        return "its stacks:\n" + "\n".join(report) + "\n(a C library's own message is in its stderr, above)"
 
     def close(self, unanswered: set[int] = frozenset()) -> None:
         """End the ranks: those in `unanswered` at once, the others when they take the pool's end
