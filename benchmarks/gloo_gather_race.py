@@ -2,7 +2,7 @@
 reproduction with functional collectives and nothing of piper_fx.
 
     python benchmarks/gloo_gather_race.py [--runs 12] [--iters 2000] [--gathers concurrent|one-at-a-time]
-                                          [--ops all_gather|reduce_scatter|both|all_to_all]
+                                          [--ops all_gather|reduce_scatter|both|all_to_all|mixed] [--groups 1]
 
 Each run starts 2 gloo ranks in fresh processes. Every iteration issues 1 to 12 small
 collectives (16 to 256 floats a rank, of the kinds `--ops` names) on one group, computes a
@@ -20,8 +20,10 @@ one-at-a-time runs): all-gathers in flight together (the defaults) crashed
 6 runs of 12; `--gathers one-at-a-time --ops both` (all-gathers one at a time,
 reduce-scatters in flight beside them) 0 of 12; `--ops all_to_all` 0 of 12. Earlier
 variants of the same loop: with reduce-scatters beside the concurrent all-gathers, 4
-of 15; reduce-scatters alone, or one collective in flight at a time, 0 of 12. A
-measurement, not a test.
+of 15; reduce-scatters alone, or one collective in flight at a time, 0 of 12. Later
+(2026-12-08, two busy loops): `--gathers one-at-a-time --ops mixed --groups 2` (all four
+kinds, over two groups of the same ranks, so all-gathers of different groups do run
+together) 0 of 6. A measurement, not a test.
 """
 from __future__ import annotations
 
@@ -42,7 +44,9 @@ def _rank(rank: int, world: int, init_file: str, args: argparse.Namespace) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
-    name = dist.group.WORLD.group_name
+    # Every group spans both ranks; the iteration's collectives go round them in turn.
+    names = [dist.group.WORLD.group_name, *(dist.new_group(list(range(world))).group_name
+                                            for _ in range(args.groups - 1))]
     sizes = random.Random(1234)  # the same collectives on every rank
     drift = random.Random(rank)
     x = torch.randn(64, 64)
@@ -50,14 +54,20 @@ def _rank(rank: int, world: int, init_file: str, args: argparse.Namespace) -> No
         issued = []
         for k in range(sizes.randint(1, 12)):
             n = sizes.choice((16, 64, 128, 256))
-            gather = args.ops == "all_gather" or (args.ops == "both" and sizes.random() < 0.5)
-            if args.ops == "all_to_all":
+            name = names[k % len(names)]
+            ops = args.ops
+            if ops == "mixed":
+                ops = sizes.choice(("all_gather", "reduce_scatter", "all_reduce", "all_to_all"))
+            gather = ops == "all_gather" or (ops == "both" and sizes.random() < 0.5)
+            if ops == "all_to_all":
                 issued.append(("all_to_all", n, k, fc.all_to_all_single(
                     torch.full((n * world,), float(rank + k)), [n] * world, [n] * world, name)))
+            elif ops == "all_reduce":
+                issued.append(("all_reduce", n, k, fc.all_reduce(torch.full((n,), float(rank + k)), "sum", name)))
             elif gather:
-                if args.gathers == "one-at-a-time":
-                    for kind, _, _, earlier in reversed(issued):
-                        if kind == "all_gather":
+                if args.gathers == "one-at-a-time":  # one at a time on each group
+                    for kind, _, j, earlier in reversed(issued):
+                        if kind == "all_gather" and names[j % len(names)] == name:
                             fc.wait_tensor(earlier)  # a second wait of it later returns at once
                             break
                 issued.append(("all_gather", n, k, fc.all_gather_into_tensor(
@@ -72,6 +82,8 @@ def _rank(rank: int, world: int, init_file: str, args: argparse.Namespace) -> No
             result = fc.wait_tensor(result)
             if kind == "all_to_all":
                 expected = torch.cat([torch.full((n,), float(r + k)) for r in range(world)])
+            elif kind == "all_reduce":
+                expected = torch.full((n,), float(sum(r + k for r in range(world))))
             elif kind == "all_gather":
                 expected = torch.cat([torch.full((n,), float(r + k)) for r in range(world)])
             else:
@@ -85,14 +97,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=12)
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--gathers", choices=("concurrent", "one-at-a-time"), default="concurrent")
-    parser.add_argument("--ops", choices=("all_gather", "reduce_scatter", "both", "all_to_all"), default="all_gather")
+    parser.add_argument("--ops", choices=("all_gather", "reduce_scatter", "both", "all_to_all", "mixed"),
+                        default="all_gather")
+    parser.add_argument("--groups", type=int, default=1)
     args = parser.parse_args()
 
     import torch
     import torch.multiprocessing as mp
 
     print(f"torch {torch.__version__}; {args.runs} runs of {args.iters} iterations, ops {args.ops}, "
-          f"all-gathers {args.gathers}", flush=True)
+          f"all-gathers {args.gathers}, over {args.groups} group(s)", flush=True)
     crashed = 0
     for run in range(args.runs):
         with tempfile.TemporaryDirectory() as tmp:
