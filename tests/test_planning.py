@@ -465,3 +465,70 @@ def test_ddp_with_microbatches_reduces_the_summed_gradient_once_at_the_end():
     untied = PARAMS + 1  # plan_all_ranks' GPT has its own lm_head weight
     assert one == {"F0": 0, "B0": untied}  # in the backward, as each gradient completes
     assert two == {"F0": 0, "B0": 0, "E0": untied}  # no_sync, then once on the sum
+
+
+def _traces_of_two_compiles_of_one_model() -> dict:
+    """The example GPT with experts shared over ep 2, under ZeRO-3, planned twice in one
+    process (a fake group of 2; each plan from its own Dynamo trace and capture, as a
+    recompile or a test's next model makes): how many lowerings and buckets each plan
+    traced, whether the two plans' task graphs are the same, how many of the second's graphs
+    hold values (in any metadata) of two fake modes, how many kept layouts stand for values
+    in them, and how many fake tensors the kept traces hold."""
+    import importlib
+
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from training import plan_programs
+
+    emit = importlib.import_module("piper_fx.collectives.emit")
+    bucket_collectives = importlib.import_module("piper_fx.passes.bucket_collectives")  # the module, not the pass
+
+    traced = []
+    make_fx, trace_bucket = emit.make_fx, bucket_collectives.trace_bucket
+
+    def counting(original):
+        def traced_by(*args, **kwargs):
+            traced[-1] += 1
+            return original(*args, **kwargs)
+        return traced_by
+
+    emit.make_fx, bucket_collectives.trace_bucket = counting(make_fx), counting(trace_bucket)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    plans = []
+    try:
+        for _ in range(2):
+            torch._dynamo.reset()  # a compile of its own: Dynamo's trace and capture anew
+            traced.append(0)
+            plans.append(plan_programs({"zero": 3, "codegen": "eager", "mesh": {"dp": 2, "ep": 2}}, n_layer=2,
+                                       batch_rows=4, experts=4)[0])
+    finally:
+        dist.destroy_process_group()
+        emit.make_fx, bucket_collectives.trace_bucket = make_fx, trace_bucket
+
+    def graphs(programs: dict) -> list:
+        return [task.graph.graph for program in programs.values() for task in program.tasks.values()]
+
+    foreign = layouts = 0
+    for graph in graphs(plans[1]):
+        leaves = [v for n in graph.nodes for v in torch.utils._pytree.tree_leaves(n.meta)]
+        foreign += len({id(v.fake_mode) for v in leaves if isinstance(v, FakeTensor)}) > 1
+        layouts += sum(isinstance(v, emit._Like) for v in leaves)
+    kept = [*(gm for gm, _ in emit._TRACED.values()), *bucket_collectives._TRACES._graphs.values()]
+    return {"traced": traced, "same graphs": [str(g) for g in graphs(plans[0])] == [str(g) for g in graphs(plans[1])],
+            "graphs of two fake modes": foreign, "kept layouts in graphs": layouts,
+            "kept fake tensors": sum(isinstance(v, FakeTensor) for gm in kept for n in gm.graph.nodes
+                                     for v in torch.utils._pytree.tree_leaves(n.meta))}
+
+
+def test_a_later_compile_of_the_same_shapes_traces_no_lowering_or_bucket_again():
+    """The lowerings' and buckets' traces (make_fx, 10-40 ms each) are kept for the process
+    without their values: a second compile of the same model traces none, plans the same
+    graphs, and each value of its graphs is of its own fake mode; no kept trace holds a fake
+    tensor (it would keep the first compile's fake mode alive)."""
+    with processes().Pool(1) as pool:  # the fake group must not leak into other tests
+        result = pool.apply(_traces_of_two_compiles_of_one_model)
+    assert result["traced"][0] > 0 and result["traced"][1] == 0, result
+    assert result["same graphs"] and result["graphs of two fake modes"] == result["kept layouts in graphs"] == 0, result
+    assert result["kept fake tensors"] == 0, result

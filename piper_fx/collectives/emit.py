@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -28,10 +28,31 @@ INHERITED_META = ("custom", "nn_module_stack", "seq_nr", "partitioner_tag", "sta
                   "ac_graph_id", LAYER)
 
 
-# Lowerings traced for each graph they are spliced into, kept as long as that
-# graph: each compilation's own (its values are of its fake mode, on its
-# device), never another's. A cached trace holds no reference to the graph.
-_TRACED: weakref.WeakKeyDictionary[fx.Graph, dict[tuple, fx.GraphModule]] = weakref.WeakKeyDictionary()
+# The lowerings traced in this process, by what a trace depends on (`_trace`), the `_KEPT` most
+# recently used: a model has many parameters of few shapes, each collective lowering is the same
+# code, and a later compile of the same shapes (a recompile, the next model of a test) traces none
+# of them again. A kept trace holds no fake tensor: those of the compile that traced it would keep
+# its fake mode alive, and each splice makes values of its own graph's (`_value`). Each is kept
+# with its decomposition table, which its key names by `id`: so no other table takes that id.
+_TRACED: collections.OrderedDict[tuple, tuple[fx.GraphModule, dict | None]] = collections.OrderedDict()
+_KEPT = 512
+# The metadata of a traced node that holds values: its own, and its inputs' as make_fx saw them
+# (for an op whose inputs' strides Inductor keeps as they were, `constrain_to_fake_tensors`).
+_VALUE_META = ("val", "eager_input_vals")
+
+
+@dataclass(frozen=True)
+class _Like:
+    """A kept trace's value of a tensor: its layout, to make one like it in another fake mode."""
+
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "_Like":
+        return _Like(tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 def _fake_mode_of(values: list) -> Any:
@@ -39,36 +60,46 @@ def _fake_mode_of(values: list) -> Any:
     return next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
 
 
-def _trace(graph: fx.Graph, fn: Callable[..., torch.Tensor], fake_inputs: list,
-           decompositions: dict | None) -> fx.GraphModule:
-    """`fn` traced on inputs like `fake_inputs`; cached per graph, since a model
-    has many parameters of few shapes and each collective lowering is the same code."""
+def _trace(fn: Callable[..., torch.Tensor], fake_inputs: list, decompositions: dict | None) -> fx.GraphModule:
+    """`fn` traced on inputs like `fake_inputs`; a `functools.partial` of fake inputs is kept
+    for the process (`_TRACED`), by its function, arguments, its inputs' layouts and the
+    decomposition table (Inductor's, which depends on its config, or none)."""
     # Trace inside the graph's own fake mode, so tensors the function creates
     # (padding) are fake values of the same mode as their neighbours.
     fake_mode = _fake_mode_of(fake_inputs)
-    traced_for_graph = _TRACED.setdefault(graph, {})
     key = None
-    if isinstance(fn, functools.partial):
+    if isinstance(fn, functools.partial) and fake_mode is not None:
         key = (fn.func, tuple(sorted((k, repr(v)) for k, v in fn.keywords.items())), fn.args,
                tuple((tuple(v.shape), v.dtype, tuple(v.stride()), v.device) for v in fake_inputs),
-               id(fake_mode), decompositions is not None)  # a graph is captured with one table (Inductor's) or none
-        if key in traced_for_graph:
-            return traced_for_graph[key]
+               None if decompositions is None else id(decompositions))
+        if key in _TRACED:
+            _TRACED.move_to_end(key)
+            return _TRACED[key][0]
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         traced = make_fx(fn, decomposition_table=decompositions)(*fake_inputs)
     if key is not None:
-        traced_for_graph[key] = traced
+        for node in traced.graph.nodes:
+            for kind in _VALUE_META:
+                if kind in node.meta:
+                    node.meta[kind] = tree_map_only(torch.Tensor, _Like.of, node.meta[kind])
+        _TRACED[key] = traced, decompositions
+        if len(_TRACED) > _KEPT:
+            _TRACED.popitem(last=False)
     return traced
 
 
-def _fresh(val: Any) -> Any:
-    """A new fake tensor like `val` (each of a list's)."""
-    def fresh(t: torch.Tensor) -> torch.Tensor:
+def _fresh(val: Any, fake_mode: Any = None) -> Any:
+    """A new fake tensor like each tensor of `val`, in its fake mode, or like each `_Like`,
+    in `fake_mode`."""
+    def fresh(t: torch.Tensor | _Like) -> torch.Tensor:
+        if isinstance(t, _Like):
+            with fake_mode:
+                return torch.empty_strided(t.shape, t.stride, dtype=t.dtype, device=t.device)
         if not hasattr(t, "fake_mode"):
             return t
         with t.fake_mode:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return tree_map_only(torch.Tensor, fresh, val)
+    return tree_map_only((torch.Tensor, _Like), fresh, val)
 
 
 def _value(new: fx.Node, traced: fx.Node, fake_mode) -> Any:
@@ -76,7 +107,7 @@ def _value(new: fx.Node, traced: fx.Node, fake_mode) -> Any:
     cached trace has values of its own: passes that trace them again (Inductor's bucketing)
     would see one tensor where there are two. A view's is its op run on its input's value,
     on that storage (what a task holds is counted by storage, `runtime.memory.task_peak`);
-    any other op's, a new fake tensor like the trace's (running every op on values took
+    any other op's, a new fake tensor of `fake_mode` like the trace's (running every op on values took
     `lower_redistributions` of a ZeRO-1 GPT of 12 layers from 1.6 to 3.9 s under cProfile)."""
     if is_alias(new):
         try:
@@ -84,7 +115,7 @@ def _value(new: fx.Node, traced: fx.Node, fake_mode) -> Any:
                 return run_on_values(new)
         except Exception:  # noqa: BLE001 - best effort: a new value like the trace's
             pass
-    return _fresh(traced.meta.get("val"))
+    return _fresh(traced.meta.get("val"), fake_mode)
 
 
 def insert_traced(
@@ -103,7 +134,7 @@ def insert_traced(
     are as lowered as their neighbours.
     """
     fake_inputs = [n.meta["val"] for n in inputs]
-    traced = _trace(graph, fn, fake_inputs, decompositions)
+    traced = _trace(fn, fake_inputs, decompositions)
     fake_mode = _fake_mode_of(fake_inputs)
     env: dict[fx.Node, fx.Node] = {}
     remaining = iter(inputs)
@@ -117,6 +148,8 @@ def insert_traced(
             else:
                 new = graph.node_copy(node, lambda n: env[n])
                 new.meta["val"] = _value(new, node, fake_mode)
+                if "eager_input_vals" in node.meta:  # this splice's inputs', as make_fx records them
+                    new.meta["eager_input_vals"] = fx.map_arg((new.args, new.kwargs), lambda n: n.meta["val"])
                 if like is not None:
                     for key in INHERITED_META:
                         if key in like.meta:

@@ -7,14 +7,15 @@ group and dtype are merged greedily, in issue order, into buckets of at most
 `bucket_mb` megabytes (Inductor's `fx_passes/bucketing` groups them, and its
 merge functions make each bucket: one flat buffer, one collective, then views
 per tensor). Each bucket layout (function, and its inputs' shapes, strides and
-dtypes) is traced once per run of the pass, and each bucket gets the trace's
-nodes with values computed from its own inputs: a deep model's layers have the
-same buckets. Only collectives adjacent
-in issue order merge, and every rank of a group runs the same task graph, so
-every rank issues the same buckets in the same order. Our policy on top: a
-ZeRO-3 parameter all-gather bucket never spans two layers (`piper_unit`), so a
-layer's parameters are gathered together and no more than a layer is held for
-a bucket; the other collectives (once-per-step gathers, gradient reductions)
+dtypes) is traced once in the process (the traces of the layouts most recently
+used are kept, without their values), and each bucket gets the trace's nodes
+with values computed from its own inputs: a deep model's layers have the same
+buckets, and so do a recompile and the next model of the same shapes. Only
+collectives adjacent in issue order merge, and every rank of a group runs the
+same task graph, so every rank issues the same buckets in the same order. Our
+policy on top: a ZeRO-3 parameter all-gather bucket never spans two layers
+(`piper_unit`), so a layer's parameters are gathered together and no more than
+a layer is held for a bucket; the other collectives (once-per-step gathers, gradient reductions)
 bucket by size alone, and, as DDP's reducer does, in a backward task the first
 bucket of a run of all-reduces is at most 1 MiB
 (`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`), so the first gradients
@@ -35,6 +36,7 @@ each one more C++ build in a cold compile.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -134,22 +136,37 @@ def _all_reduce_args(first: fx.Node, inputs: list[fx.Node]) -> tuple:
 
 
 class _Traces:
-    """The bucket functions traced in one run of the pass (make_fx, about 40 ms a bucket), by
-    what a trace depends on: the function and its arguments (tensors by layout). The layers
-    of a deep model have buckets of one layout: each is traced once, not once per layer."""
+    """The bucket functions traced (make_fx, about 40 ms a bucket), by what a trace depends
+    on: the function and its arguments (tensors by layout), the `kept` most recently used
+    (all, where None). The layers of a deep model have buckets of one layout: each is traced
+    once, not once per layer. A trace is kept without its values: its nodes' `val`s are fake
+    tensors of the compile that traced it, whose fake mode they would keep alive, and a
+    splice computes its own (`_merge`)."""
 
-    def __init__(self):
-        self._graphs: dict[tuple, fx.GraphModule] = {}
+    def __init__(self, kept: int | None = None):
+        self._graphs: OrderedDict[tuple, fx.GraphModule] = OrderedDict()
+        self._kept = kept
 
     def get(self, fn: Callable, args: tuple) -> fx.GraphModule:
         key = (fn, tuple(layout(a) for a in args))
-        if key not in self._graphs:
-            self._graphs[key] = trace_bucket(fn, args)
-        return self._graphs[key]
+        traced = self._graphs.get(key)
+        if traced is None:
+            traced = self._graphs[key] = trace_bucket(fn, args)
+            for node in traced.graph.nodes:
+                node.meta = {}
+            if self._kept is not None and len(self._graphs) > self._kept:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        return traced
 
     def __len__(self) -> int:
         return len(self._graphs)
 
+
+# The process's bucket traces: a compile whose buckets have the layouts of an earlier one's (a
+# recompile for another batch size keeps most; the next model of a test, all) traces none of them.
+_TRACES = _Traces(kept=256)
 
 _BUCKET_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "custom")
 
@@ -245,7 +262,7 @@ def bucket_collectives(dag: TrainingDAG, strategy: Strategy) -> TrainingDAG:
         return dag
     # Outside Dynamo's tracing context: the merge traces in the fake mode of the
     # graph's own values (our capture's), which it finds only when no context names another.
-    traces = _Traces()
+    traces = _TRACES
     with tracing(None):
         for task in dag.tasks:
             gm = task.graph
