@@ -132,8 +132,10 @@ class RankPool:
     def _crash(self, rank: int) -> str:
         """What faulthandler wrote of `rank`'s crash, without its list of the process's extension
         modules (hundreds of compiled kernels' names), or where else to look."""
-        with open(_stacks_file(self._init_file, rank)) as f:
-            report = [line for line in f.read().splitlines() if not line.startswith("Extension modules:")]
+        report = []
+        with contextlib.suppress(FileNotFoundError):  # a rank that died before it opened the file
+            with open(_stacks_file(self._init_file, rank)) as f:
+                report = [line for line in f.read().splitlines() if not line.startswith("Extension modules:")]
         if not report:
             return "its stderr, above, says why"
         return "its stacks:\n" + "\n".join(report) + "\n(a C library's own message is in its stderr, above)"
