@@ -126,7 +126,8 @@ def _reduction_bucket_bytes(kind: str, numels: list[int], bucket_mb: float, smal
 
     from piper_fx.compat import tracing
     from piper_fx.collectives.buckets import FLAT_BUCKET
-    from piper_fx.passes.bucket_collectives import _bucket_reductions, _Traces
+    from piper_fx.collectives.emit import KeptTraces
+    from piper_fx.passes.bucket_collectives import _bucket_reductions
 
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
@@ -142,7 +143,7 @@ def _reduction_bucket_bytes(kind: str, numels: list[int], bucket_mb: float, smal
     with FakeTensorMode():
         grads = [torch.randn(2, numel // 2) for numel in numels]
     gm = make_fx(backward)(*grads)
-    traces = _Traces()
+    traces = KeptTraces()
     with tracing(None):
         _bucket_reductions(gm, bucket_mb, small_first, traces)
     buckets = [n for n in gm.graph.nodes if n.target is op]
@@ -515,7 +516,7 @@ def _traces_of_two_compiles_of_one_model() -> dict:
         leaves = [v for n in graph.nodes for v in torch.utils._pytree.tree_leaves(n.meta)]
         foreign += len({id(v.fake_mode) for v in leaves if isinstance(v, FakeTensor)}) > 1
         layouts += sum(isinstance(v, emit._Like) for v in leaves)
-    kept = [*(gm for gm, _ in emit._TRACED.values()), *bucket_collectives._TRACES._graphs.values()]
+    kept = [*emit._TRACED.graphs(), *bucket_collectives._TRACES.graphs()]
     return {"traced": traced, "same graphs": [str(g) for g in graphs(plans[0])] == [str(g) for g in graphs(plans[1])],
             "graphs of two fake modes": foreign, "kept layouts in graphs": layouts,
             "kept fake tensors": sum(isinstance(v, FakeTensor) for gm in kept for n in gm.graph.nodes

@@ -28,14 +28,6 @@ INHERITED_META = ("custom", "nn_module_stack", "seq_nr", "partitioner_tag", "sta
                   "ac_graph_id", LAYER)
 
 
-# The lowerings traced in this process, by what a trace depends on (`_trace`), the `_KEPT` most
-# recently used: a model has many parameters of few shapes, each collective lowering is the same
-# code, and a later compile of the same shapes (a recompile, the next model of a test) traces none
-# of them again. A kept trace holds no fake tensor: those of the compile that traced it would keep
-# its fake mode alive, and each splice makes values of its own graph's (`_value`). Each is kept
-# with its decomposition table, which its key names by `id`: so no other table takes that id.
-_TRACED: collections.OrderedDict[tuple, tuple[fx.GraphModule, dict | None]] = collections.OrderedDict()
-_KEPT = 512
 # The metadata of a traced node that holds values: its own, and its inputs' as make_fx saw them
 # (for an op whose inputs' strides Inductor keeps as they were, `constrain_to_fake_tensors`).
 _VALUE_META = ("val", "eager_input_vals")
@@ -55,6 +47,46 @@ class _Like:
         return _Like(tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
+class KeptTraces:
+    """make_fx traces kept for the process, by a key naming what each depends on, the `kept`
+    most recently used (all, where None): a model has many parameters of few shapes, each
+    lowering or bucket of a layout is the same code, and a later compile of the same shapes (a
+    recompile, the next model of a test) traces none of them again. A kept trace holds no
+    fake tensor: those of the compile that traced it would keep its fake mode alive; its
+    nodes' values are kept as their layouts (`_Like`), and each splice makes values of its own
+    graph's. `pinned`, an object the key names by `id`, is kept with the trace, so that no
+    other object takes that id while the key stands."""
+
+    def __init__(self, kept: int | None = None):
+        self._entries: collections.OrderedDict[tuple, tuple[fx.GraphModule, Any]] = collections.OrderedDict()
+        self._kept = kept
+
+    def get(self, key: tuple, trace: Callable[[], fx.GraphModule], pinned: Any = None) -> fx.GraphModule:
+        """The trace kept under `key`, else `trace()`'s, kept."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key][0]
+        traced = trace()
+        for node in traced.graph.nodes:
+            for kind in _VALUE_META:
+                if kind in node.meta:
+                    node.meta[kind] = tree_map_only(torch.Tensor, _Like.of, node.meta[kind])
+        self._entries[key] = traced, pinned
+        if self._kept is not None and len(self._entries) > self._kept:
+            self._entries.popitem(last=False)
+        return traced
+
+    def graphs(self) -> list[fx.GraphModule]:
+        return [traced for traced, _ in self._entries.values()]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# The lowerings traced in this process (`_trace`).
+_TRACED = KeptTraces(kept=512)
+
+
 def _fake_mode_of(values: list) -> Any:
     """The fake mode of the first of `values` that has one (the graph's own), or None."""
     return next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
@@ -63,29 +95,21 @@ def _fake_mode_of(values: list) -> Any:
 def _trace(fn: Callable[..., torch.Tensor], fake_inputs: list, decompositions: dict | None) -> fx.GraphModule:
     """`fn` traced on inputs like `fake_inputs`; a `functools.partial` of fake inputs is kept
     for the process (`_TRACED`), by its function, arguments, its inputs' layouts and the
-    decomposition table (Inductor's, which depends on its config, or none)."""
+    decomposition table (Inductor's, which depends on its config, or none; kept with it)."""
     # Trace inside the graph's own fake mode, so tensors the function creates
     # (padding) are fake values of the same mode as their neighbours.
     fake_mode = _fake_mode_of(fake_inputs)
-    key = None
-    if isinstance(fn, functools.partial) and fake_mode is not None:
-        key = (fn.func, tuple(sorted((k, repr(v)) for k, v in fn.keywords.items())), fn.args,
-               tuple((tuple(v.shape), v.dtype, tuple(v.stride()), v.device) for v in fake_inputs),
-               None if decompositions is None else id(decompositions))
-        if key in _TRACED:
-            _TRACED.move_to_end(key)
-            return _TRACED[key][0]
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        traced = make_fx(fn, decomposition_table=decompositions)(*fake_inputs)
-    if key is not None:
-        for node in traced.graph.nodes:
-            for kind in _VALUE_META:
-                if kind in node.meta:
-                    node.meta[kind] = tree_map_only(torch.Tensor, _Like.of, node.meta[kind])
-        _TRACED[key] = traced, decompositions
-        if len(_TRACED) > _KEPT:
-            _TRACED.popitem(last=False)
-    return traced
+
+    def trace() -> fx.GraphModule:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            return make_fx(fn, decomposition_table=decompositions)(*fake_inputs)
+
+    if not isinstance(fn, functools.partial) or fake_mode is None:
+        return trace()
+    key = (fn.func, tuple(sorted((k, repr(v)) for k, v in fn.keywords.items())), fn.args,
+           tuple((tuple(v.shape), v.dtype, tuple(v.stride()), v.device) for v in fake_inputs),
+           None if decompositions is None else id(decompositions))
+    return _TRACED.get(key, trace, pinned=decompositions)
 
 
 def _fresh(val: Any, fake_mode: Any = None) -> Any:

@@ -36,7 +36,6 @@ each one more C++ build in a cold compile.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -44,7 +43,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..collectives.buckets import FLAT_BUCKET, GATHER_BUCKET, UNPACK_BUCKET
-from ..collectives.emit import layout, repair_values, run_on_values
+from ..collectives.emit import KeptTraces, layout, repair_values, run_on_values
 from ..compat import (bucketing, detect_fake_mode, sort_bucket_region, stable_topological_sort, takes_cast,
                       trace_bucket, tracing)
 from ..ir import BACKWARD_KINDS, TrainingDAG
@@ -52,7 +51,7 @@ from ..ops import ALL_REDUCE, REDUCE_SCATTER, UNIT, WAIT, is_wait
 from ..options import Strategy
 
 
-def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float, traces: _Traces) -> None:
+def _bucket_all_gathers(gm: fx.GraphModule, cap_mb: float, traces: KeptTraces) -> None:
     def key(node: fx.Node):
         return (bucketing._ag_group_key(node), node.meta.get(UNIT))
 
@@ -99,7 +98,7 @@ def _first_buckets(gm: fx.GraphModule, is_kind, group_key, first_mb: float) -> s
     return first
 
 
-def _bucket_reductions(gm: fx.GraphModule, bucket_mb: float, small_first: bool, traces: _Traces) -> None:
+def _bucket_reductions(gm: fx.GraphModule, bucket_mb: float, small_first: bool, traces: KeptTraces) -> None:
     """Merge the gradient reductions (reduce-scatters, all-reduces) greedily, in issue
     order, into buckets of at most `bucket_mb`, but, with `small_first`, the first of each
     run of all-reduces, which takes at most 1 MiB (`_first_buckets`): Inductor's grouping
@@ -135,43 +134,16 @@ def _all_reduce_args(first: fx.Node, inputs: list[fx.Node]) -> tuple:
     return [n.meta["val"] for n in inputs], group_name, reduce_op, first.meta["val"].dtype
 
 
-class _Traces:
-    """The bucket functions traced (make_fx, about 40 ms a bucket), by what a trace depends
-    on: the function and its arguments (tensors by layout), the `kept` most recently used
-    (all, where None). The layers of a deep model have buckets of one layout: each is traced
-    once, not once per layer. A trace is kept without its values: its nodes' `val`s are fake
-    tensors of the compile that traced it, whose fake mode they would keep alive, and a
-    splice computes its own (`_merge`)."""
-
-    def __init__(self, kept: int | None = None):
-        self._graphs: OrderedDict[tuple, fx.GraphModule] = OrderedDict()
-        self._kept = kept
-
-    def get(self, fn: Callable, args: tuple) -> fx.GraphModule:
-        key = (fn, tuple(layout(a) for a in args))
-        traced = self._graphs.get(key)
-        if traced is None:
-            traced = self._graphs[key] = trace_bucket(fn, args)
-            for node in traced.graph.nodes:
-                node.meta = {}
-            if self._kept is not None and len(self._graphs) > self._kept:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
-        return traced
-
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-
-# The process's bucket traces: a compile whose buckets have the layouts of an earlier one's (a
-# recompile for another batch size keeps most; the next model of a test, all) traces none of them.
-_TRACES = _Traces(kept=256)
+# The process's bucket traces (make_fx, about 40 ms a bucket), by what a trace depends on: the
+# function and its arguments (tensors by layout). The layers of a deep model have buckets of one
+# layout, and a compile whose buckets have the layouts of an earlier one's (a recompile for another
+# batch size keeps most; the next model of a test, all) traces none of them.
+_TRACES = KeptTraces(kept=256)
 
 _BUCKET_META = ("nn_module_stack", "fwd_nn_module_stack", "stack_trace", "custom")
 
 
-def _merge(graph: fx.Graph, bucket: list[fx.Node], fn: Callable, trace_args: Callable, traces: _Traces) -> None:
+def _merge(graph: fx.Graph, bucket: list[fx.Node], fn: Callable, trace_args: Callable, traces: KeptTraces) -> None:
     """Replace the collectives `bucket` (each with its one wait) by `fn`'s trace (`traces`) on
     their inputs, right after the last of them: Inductor's `process_collective_bucket`, but
     the bucket's values computed from its inputs' (a trace serves every bucket of its
@@ -187,7 +159,8 @@ def _merge(graph: fx.Graph, bucket: list[fx.Node], fn: Callable, trace_args: Cal
             source = source.args[0]
         inputs.append(source)
         waits.append(wait)
-    traced = traces.get(fn, trace_args(inputs))
+    args = trace_args(inputs)
+    traced = traces.get((fn, tuple(layout(a) for a in args)), lambda: trace_bucket(fn, args))
     placeholders = traced.graph.find_nodes(op="placeholder")
     env = dict(zip(placeholders, inputs))
     fake_mode = detect_fake_mode([n.meta["val"] for n in inputs])
